@@ -1,0 +1,152 @@
+"""What a backend is: a capability table plus a run function.
+
+Every fusion decision goes through `Backend.why_not(call)`, at compile time (static shapes)
+and again at run time inside the fused op. It only reads values that are identical on
+every rank of the group (shapes, dtypes, world size, config), so all ranks take the same
+path and a collective kernel is never entered by only some of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+# Norm forms: "rms" is y = w * norm(x).to(dtype) (Llama/Qwen/Mistral),
+# "gemma_rms" is y = (norm(x) * (1 + w.float())).to(dtype).
+NORM_FORMS = ("rms", "gemma_rms")
+
+
+@dataclass(frozen=True)
+class Site:
+    """What one fused site computes; fixed when the pattern is rewritten."""
+
+    residual: bool  # an add of a residual precedes the norm
+    norm: str  # one of NORM_FORMS
+    quant: str = "none"  # "none" or one of config.QUANT_FORMS
+    emit_norm: bool = True  # the unquantized norm output is produced too
+
+    @property
+    def name(self) -> str:
+        """Pattern name as shown in stats: says what is fused."""
+        parts = ["allreduce", "add" if self.residual else None, self.norm.replace("rms", "rmsnorm")]
+        if self.quant != "none":
+            parts.append(self.quant + ("_with_norm_out" if self.emit_norm else ""))
+        return "_".join(p for p in parts if p)
+
+    def outputs(self) -> tuple[str, ...]:
+        """Names of the fused op's outputs, in order: the one place that fixes the indices."""
+        outs = ["residual"]
+        if self.emit_norm:
+            outs.append("norm")
+        if self.quant != "none":
+            outs.append("quant")
+            if self.quant != "fp8_static":
+                outs.append("scale")
+        return tuple(outs)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One invocation of a fused site. `tokens` is None while unknown (symbolic at compile time)."""
+
+    site: Site
+    tokens: int | None
+    hidden: int
+    dtype: torch.dtype
+    weight_dtype: torch.dtype
+    world_size: int
+    device: torch.device
+    group_name: str = ""
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of the per-rank input."""
+        if self.tokens is None:
+            return None
+        return self.tokens * self.hidden * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The static part of what a backend supports. Empty `world_sizes` means any."""
+
+    device_types: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    norms: frozenset[str] = frozenset(NORM_FORMS)
+    quants: frozenset[str] = frozenset({"none"})
+    world_sizes: frozenset[int] = frozenset()
+    residual_optional: bool = True
+
+    def why_not(self, call: Call) -> str | None:
+        site = call.site
+        if call.device.type not in self.device_types:
+            return f"device {call.device.type} not in {sorted(self.device_types)}"
+        if call.dtype not in self.dtypes:
+            return f"dtype {call.dtype} not supported"
+        if site.norm not in self.norms:
+            return f"norm form {site.norm} not supported"
+        if site.quant not in self.quants:
+            return f"quant form {site.quant} not supported"
+        if self.world_sizes and call.world_size not in self.world_sizes:
+            return f"world size {call.world_size} not in {sorted(self.world_sizes)}"
+        if not site.residual and not self.residual_optional:
+            return "needs a residual"
+        return None
+
+
+@dataclass
+class Backend:
+    """Base class. Subclasses set `name`, `capabilities` and implement `run`.
+
+    Optional hooks: `unavailable(device)` says why the backend cannot run on this machine
+    (missing package, wrong GPU); `shape_check(call)` adds backend-specific shape rules;
+    `default_max_bytes(call)` is the backend's own size cap (inclusive; None: unlimited).
+    """
+
+    name: str = "base"
+    capabilities: Capabilities = field(default_factory=lambda: Capabilities(frozenset(), frozenset()))
+
+    def unavailable(self, device: torch.device) -> str | None:
+        return None
+
+    def shape_check(self, call: Call) -> str | None:
+        return None
+
+    def default_max_bytes(self, call: Call) -> int | None:
+        return None
+
+    def why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+        """None if this call may be fused by this backend, else the reason it may not."""
+        reason = (self.capabilities.why_not(call) or self.unavailable(call.device)
+                  or self.shape_check(call))
+        if reason:
+            return reason
+        cap = max_bytes_override if max_bytes_override is not None else self.default_max_bytes(call)
+        if cap is not None and call.nbytes is not None and call.nbytes > cap:
+            return f"{call.nbytes} bytes per rank > cap {cap}"
+        return None
+
+    def fingerprint(self) -> str:
+        """Anything outside the source code that changes decisions (versions, tuned tables)."""
+        return ""
+
+    def run(self, call: Call, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            eps: float, quant_scale: torch.Tensor | None) -> Sequence[torch.Tensor]:
+        """Compute the fused result; return tensors in `call.site.outputs()` order."""
+        raise NotImplementedError
+
+
+def flatten_tokens(t: torch.Tensor) -> torch.Tensor:
+    """2-D contiguous [tokens, hidden] view, as fused kernels want."""
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def num_tokens(shape: Sequence[int]) -> int:
+    return math.prod(shape[:-1])

@@ -1,0 +1,185 @@
+"""The Inductor post-grad pass, and how it is installed.
+
+The pass finds the process groups that the graph all-reduces over, registers the pattern
+family for each group once per process, lets Inductor's pattern matcher rewrite every site
+a backend accepts, and logs one line per graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass
+
+from . import backends, patterns, stats
+from .backends.base import Call, num_tokens
+from .config import PassConfig, env_disabled
+from .ops import group_size, site_of
+from .version import __version__
+
+log = logging.getLogger("arfusion")
+
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
+_SLOT = "post_grad_custom_post_pass"
+
+# (group name, config key) -> registered patterns. Registration traces every pattern once.
+_registered: dict[tuple[str, str], PatternMatcherPass] = {}
+_owner: dict[tuple[str, str], "ArFusionPass"] = {}
+
+
+def _source_hash() -> str:
+    files = tuple(sorted(str(p) for p in Path(__file__).parent.rglob("*.py")))
+    return get_hash_for_files(files).hex()
+
+
+class ArFusionPass(CustomGraphPass):
+    """Rewrites all_reduce -> (residual add) -> RMSNorm (-> quant) into arfusion's fused op."""
+
+    def __init__(self, config: PassConfig | None = None):
+        self.config = config if config is not None else PassConfig(enable_allreduce_fusion=True)
+        self._declined: Counter[str] = Counter()
+
+    def uuid(self) -> str:
+        # Everything that changes the rewrite: code, config, the opt-out, library versions.
+        key = "|".join([__version__, _source_hash(), self.config.key(), str(env_disabled()),
+                        backends.fingerprint()])
+        return hashlib.sha256(key.encode()).hexdigest()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if not self.config.enable_allreduce_fusion:
+            return
+        if env_disabled():
+            log.info("arfusion: disabled by ARFUSION_DISABLE; graph left as is")
+            return
+        groups = sorted({n.args[2] for n in graph.nodes if n.target is ALL_REDUCE})
+        if not groups:
+            return
+        before = _fused_sites(graph)
+        self._declined.clear()
+        for group_name in groups:
+            self._patterns_for(group_name).apply(graph)
+        graph.eliminate_dead_code()
+        fused = _fused_sites(graph) - before
+        stats.record_graph(fused)
+        left = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
+        log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s", sum(fused.values()),
+                 dict(fused) or "", left,
+                 f" (declined: {dict(self._declined)})" if self._declined else "")
+
+    def _patterns_for(self, group_name: str) -> PatternMatcherPass:
+        key = (group_name, self.config.key())
+        if key not in _registered:
+            cap = self.config.max_bytes(group_size(group_name))
+            _registered[key] = patterns.register_all(
+                group_name, self.config.backend, -1 if cap is None else cap,
+                self.config.fused_quant_forms(), lambda spec, match: _owner[key]._accept(spec, match))
+        # The registered checks report to the pass now running (same config, own counters).
+        _owner[key] = self
+        return _registered[key]
+
+    def _accept(self, spec: patterns.PatternSpec, match: Match) -> bool:
+        """Compile-time gate: fuse only what the backend accepts for these (static) shapes.
+
+        A site declined here stays as Inductor compiles it (its own fused norm kernel), which
+        beats a run-time fallback inside the fused op.
+        """
+        if (spec.eps == "literal") != isinstance(match.kwargs["eps"], (int, float)):
+            return False  # a literal-eps pattern also matches a tensor eps; that one has its own
+        x = match.kwargs["x"].meta["val"]
+        weight = match.kwargs["weight"].meta["val"]
+        group_name = _group_of(match)
+        tokens = num_tokens(x.shape)
+        call = Call(site=spec.site, tokens=tokens if isinstance(tokens, int) else None,
+                    hidden=int(x.shape[-1]), dtype=x.dtype, weight_dtype=weight.dtype,
+                    world_size=group_size(group_name), device=x.device, group_name=group_name)
+        backend, reason = backends.resolve(self.config.backend, x.device)
+        if backend is not None:
+            reason = backend.why_not(call, self.config.max_bytes(call.world_size))
+        if reason:
+            self._declined[spec.site.name] += 1
+            log.info("arfusion: %s site at %s not fused: %s", spec.site.name, match.nodes[-1], reason)
+            return False
+        return True
+
+
+def _group_of(match: Match) -> str:
+    return next(n.args[2] for n in match.nodes if n.target is ALL_REDUCE)
+
+
+def _fused_sites(graph: torch.fx.Graph) -> Counter[str]:
+    sites = Counter()
+    for n in graph.nodes:
+        if n.target is FUSED_OP:
+            x, residual, weight, eps, eps_t, group, norm, quant, scale, emit_norm = n.args[:10]
+            sites[site_of(residual, norm, quant, emit_norm).name] += 1
+    return sites
+
+
+# ---------------------------------------------------------------- installation
+
+
+class ChainedPass(CustomGraphPass):
+    """Runs several post-grad passes in order; cacheable only if every one of them is."""
+
+    def __init__(self, passes: list[Any]):
+        self.passes = passes
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Any:
+        uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+        if any(u is None for u in uuids):
+            return None  # Inductor then bypasses the FX graph cache, which is the safe choice
+        return hashlib.sha256(repr(uuids).encode()).hexdigest()
+
+
+def _flatten(slot: Any) -> list[Any]:
+    if slot is None:
+        return []
+    if isinstance(slot, ChainedPass):
+        return list(slot.passes)
+    if isinstance(slot, (list, tuple)):
+        return [p for s in slot for p in _flatten(s)]
+    return [slot]
+
+
+def _combine(passes: list[Any]) -> Any:
+    if not passes:
+        return None
+    return passes[0] if len(passes) == 1 else ChainedPass(passes)
+
+
+def _others(slot: Any) -> list[Any]:
+    return [p for p in _flatten(slot) if not isinstance(p, ArFusionPass)]
+
+
+def inductor_options(config: PassConfig | dict | None = None) -> dict[str, Any]:
+    """Options for `torch.compile(model, options=...)`; keeps any post-grad pass already set."""
+    if isinstance(config, dict):
+        config = PassConfig.from_dict(config)
+    ours = ArFusionPass(config)
+    return {_SLOT: _combine(_others(getattr(inductor_config, _SLOT)) + [ours])}
+
+
+def enable(config: PassConfig | dict | None = None) -> ArFusionPass:
+    """Install the pass in Inductor's global config (works with mode="reduce-overhead" and
+    with compiles started by libraries, e.g. HF generate). Replaces an earlier arfusion pass,
+    keeps everyone else's."""
+    options = inductor_options(config)
+    setattr(inductor_config, _SLOT, options[_SLOT])
+    return next(p for p in _flatten(options[_SLOT]) if isinstance(p, ArFusionPass))
+
+
+def disable() -> None:
+    """Remove arfusion's pass from Inductor's global config, keeping everyone else's."""
+    setattr(inductor_config, _SLOT, _combine(_others(getattr(inductor_config, _SLOT))))

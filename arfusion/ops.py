@@ -1,0 +1,82 @@
+"""The fused op every pattern replacement calls.
+
+It is functional (returns fresh tensors, mutates nothing), so the rewritten graph needs no
+auto_functionalized bookkeeping. At run time it asks the backend whether this call can be
+fused and otherwise computes the unfused result itself: the answer is always right.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from . import reference, stats
+from .backends import resolve
+from .backends.base import Call, Site, num_tokens
+
+log = logging.getLogger("arfusion")
+_logged: set[str] = set()
+
+
+def log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+def group_size(group_name: str) -> int:
+    return dist.distributed_c10d._resolve_process_group(group_name).size()
+
+
+def site_of(residual, norm, quant, emit_norm) -> Site:
+    return Site(residual=residual is not None, norm=norm, quant=quant, emit_norm=emit_norm)
+
+
+@torch.library.custom_op("arfusion::fused_allreduce_rmsnorm", mutates_args=())
+def fused_allreduce_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    eps_tensor: torch.Tensor | None,
+    group_name: str,
+    norm: str,
+    quant: str,
+    quant_scale: torch.Tensor | None,
+    emit_norm: bool,
+    backend: str,
+    max_bytes: int,
+) -> list[torch.Tensor]:
+    """all_reduce(x) [+ residual] -> RMSNorm [-> quant]; outputs in `Site.outputs()` order.
+
+    eps_tensor, when given, replaces eps (graphs compiled with dynamic=True carry eps as a
+    0-d tensor). max_bytes < 0 means "use the backend's own size table".
+    """
+    site = site_of(residual, norm, quant, emit_norm)
+    if eps_tensor is not None:
+        eps = float(eps_tensor)
+    call = Call(site=site, tokens=num_tokens(x.shape), hidden=x.shape[-1], dtype=x.dtype,
+                weight_dtype=weight.dtype, world_size=group_size(group_name), device=x.device,
+                group_name=group_name)
+    chosen, reason = resolve(backend, x.device)
+    if chosen is not None:
+        reason = chosen.why_not(call, None if max_bytes < 0 else max_bytes)
+    if reason is None:
+        stats.record_dispatch(chosen.name)
+        outs = chosen.run(call, x, residual, weight, eps, quant_scale)
+    else:
+        stats.record_dispatch("fallback")
+        log_once(f"arfusion: {site.name} ran unfused at run time: {reason}")
+        outs = reference.unfused(x, residual, weight, eps, group_name, site, quant_scale)
+    lead = x.shape[:-1]
+    return [o.reshape(*lead, o.shape[-1]) if o.dim() else o for o in outs]
+
+
+@fused_allreduce_rmsnorm.register_fake
+def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
+          backend, max_bytes):
+    # The reference math on fake tensors gives exactly the real outputs' metadata.
+    site = site_of(residual, norm, quant, emit_norm)
+    return reference.add_rms_norm(torch.empty_like(x), residual, weight, eps, site, quant_scale)

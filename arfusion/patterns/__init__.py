@@ -1,0 +1,138 @@
+"""Pattern generation and registration: one loop over the product of the pieces.
+
+Patterns are registered per process-group name, lazily, the first time a graph holding an
+all_reduce on that group is compiled: the matcher compares strings literally, so the group
+name is part of the pattern, and a TP subgroup must fuse with its own group.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, register_replacement
+
+from ..backends.base import Site
+from . import pieces
+from .quant import QUANT_SPELLINGS
+
+log = logging.getLogger("arfusion")
+
+# Stand-in eps for tracing. The matcher turns this exact constant into an argument, so any
+# eps the model uses matches. It must differ from every other constant in the patterns.
+EPS_SENTINEL = 3.14159e-7
+
+
+@dataclass(frozen=True)
+class PatternSpec:
+    """One registered pattern: a choice of spelling for each piece."""
+
+    residual: str  # key of pieces.RESIDUAL_SPELLINGS
+    norm: str  # key of pieces.NORM_SPELLINGS
+    quant: str  # key of QUANT_SPELLINGS
+    eps: str  # key of pieces.EPS_SPELLINGS
+    dtype: torch.dtype
+
+    @property
+    def site(self) -> Site:
+        quant = QUANT_SPELLINGS[self.quant]
+        return Site(residual=self.residual != "none", norm=pieces.NORM_SPELLINGS[self.norm][0],
+                    quant=quant.form, emit_norm=quant.emit_norm)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        residual = () if self.residual == "none" else ("residual",)
+        return ("x", *residual, "weight", "eps", *QUANT_SPELLINGS[self.quant].inputs)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """Pattern outputs, the last-computed first: the matcher anchors on the first one."""
+        outs = self.site.outputs()
+        return tuple(name for name in ("quant", "scale", "norm", "residual") if name in outs)
+
+    def example_inputs(self) -> list:
+        """Small stand-ins; only their dtypes and ranks matter (shapes are re-checked on match)."""
+        tokens, hidden = 4, 32
+        values = {
+            "x": torch.empty(tokens, hidden, dtype=self.dtype),
+            "residual": torch.empty(tokens, hidden, dtype=self.dtype),
+            "weight": torch.empty(hidden, dtype=self.dtype),
+            "eps": EPS_SENTINEL if self.eps == "literal" else torch.empty((), dtype=torch.float64),
+            **QUANT_SPELLINGS[self.quant].example_inputs(tokens, hidden),
+        }
+        return [values[name] for name in self.input_names]
+
+    def search_fn(self, group_name: str) -> Callable:
+        add = pieces.RESIDUAL_SPELLINGS[self.residual]
+        norm = pieces.NORM_SPELLINGS[self.norm][1]
+        eps_of = pieces.EPS_SPELLINGS[self.eps]
+        quant = QUANT_SPELLINGS[self.quant]
+
+        def search(x, residual=None, weight=None, eps=None, **quant_inputs):
+            reduced = pieces.all_reduce_sum(x, group_name)
+            h = reduced if add is None else add(reduced, residual)
+            normed = norm(h, weight, eps_of(eps))
+            produced = {"residual": h, "norm": normed, **quant.apply(normed, **quant_inputs)}
+            return tuple(produced[name] for name in self.output_names)
+
+        return _positional(search, self.input_names)
+
+    def replace_fn(self, group_name: str, backend: str, max_bytes: int) -> Callable:
+        site = self.site
+        outputs = site.outputs()
+        literal_eps = self.eps == "literal"
+
+        def replace(x, residual=None, weight=None, eps=None, scale=None):
+            outs = torch.ops.arfusion.fused_allreduce_rmsnorm(
+                x, residual, weight, eps if literal_eps else 0.0, None if literal_eps else eps,
+                group_name, site.norm, site.quant, scale, site.emit_norm, backend, max_bytes)
+            return tuple(outs[outputs.index(name)] for name in self.output_names)
+
+        return _positional(replace, self.input_names)
+
+
+def _positional(fn: Callable, names: tuple[str, ...]) -> Callable:
+    """`fn` called positionally with `names`: the matcher reads argument names off the signature."""
+
+    def wrapper(*args):
+        return fn(**dict(zip(names, args)))
+
+    wrapper.__signature__ = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    return wrapper
+
+
+def all_specs(quant_forms: tuple[str, ...]) -> list[PatternSpec]:
+    """Every pattern, largest first: a quant pattern must win over the norm alone."""
+    quants = [name for name, q in QUANT_SPELLINGS.items() if q.form == "none" or q.form in quant_forms]
+    quants.sort(key=lambda name: QUANT_SPELLINGS[name].priority)
+    return [PatternSpec(residual, norm, quant, eps, dtype)
+            for quant, residual, norm, eps, dtype in itertools.product(
+                quants, pieces.RESIDUAL_SPELLINGS, pieces.NORM_SPELLINGS, pieces.EPS_SPELLINGS,
+                pieces.TRACE_DTYPES)
+            if QUANT_SPELLINGS[quant].traces_with(dtype)]
+
+
+def register_all(group_name: str, backend: str, max_bytes: int, quant_forms: tuple[str, ...],
+                 extra_check: Callable[[PatternSpec, Match], bool]) -> PatternMatcherPass:
+    """A pattern pass holding every spec for this group, registered under fake tensors so no
+    collective runs and no live process group is needed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    patterns = PatternMatcherPass(pass_name="arfusion")
+    with unset_fake_temporarily(), torch._guards.tracing(None), FakeTensorMode():
+        for spec in all_specs(quant_forms):
+            register_replacement(
+                spec.search_fn(group_name),
+                spec.replace_fn(group_name, backend, max_bytes),
+                spec.example_inputs(),
+                fwd_only,
+                [patterns],
+                extra_check=lambda match, spec=spec: extra_check(spec, match),
+                scalar_workaround={"eps": EPS_SENTINEL} if spec.eps == "literal" else None,
+            )
+    return patterns

@@ -1,0 +1,47 @@
+"""The unfused computation, written the way HF transformers writes it.
+
+This is both the `torch` backend and the fallback every fused op takes when a backend
+declines a call, so its numerics are the ones the uncompiled model produces.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backends.base import Site
+
+
+def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    reduced = torch.ops._c10d_functional.all_reduce(x, "sum", group_name)
+    return torch.ops._c10d_functional.wait_tensor(reduced)
+
+
+def rms_normalize(h: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 normalisation of `h`, before the weight."""
+    hf = h.to(torch.float32)
+    return hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, norm: str) -> torch.Tensor:
+    normed = rms_normalize(h, eps)
+    if norm == "gemma_rms":
+        return (normed * (1.0 + weight.float())).to(h.dtype)
+    return weight * normed.to(h.dtype)
+
+
+def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, site: Site, quant_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Everything after the all-reduce; outputs in `site.outputs()` order."""
+    from . import quant  # local: quant imports this module
+
+    h = reduced if residual is None else residual + reduced
+    normed = rms_norm(h, weight, eps, site.norm)
+    produced = {"residual": h, "norm": normed}
+    if site.quant != "none":
+        produced.update(quant.quantize(normed, site.quant, quant_scale))
+    return [produced[name] for name in site.outputs()]
+
+
+def unfused(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            group_name: str, site: Site, quant_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
+    return add_rms_norm(all_reduce_sum(x, group_name), residual, weight, eps, site, quant_scale)
