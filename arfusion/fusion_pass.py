@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.pattern_matcher import Match, PatternMatcherPass
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, stable_topological_sort
 
 from . import backends, patterns, stats
 from .backends.base import Call, num_tokens
@@ -66,6 +66,9 @@ class ArFusionPass(CustomGraphPass):
         self._declined.clear()
         for group_name in groups:
             self._patterns_for(group_name).apply(graph)
+        # A replacement lands where the matched output was; an input it reads (Gemma's 1 + w)
+        # may be defined later in the graph.
+        stable_topological_sort(graph)
         graph.eliminate_dead_code()
         fused = _fused_sites(graph) - before
         stats.record_graph(fused)

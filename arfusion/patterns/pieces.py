@@ -29,13 +29,14 @@ def _normalize(h, eps):
 
 
 # norm spelling -> (norm form of the fused op, function of (h, weight, eps)).
+# Gemma first: in fp32 (no casts) a Llama pattern also matches Gemma with weight := 1 + w.
 NORM_SPELLINGS: dict[str, tuple[str, Callable]] = {
-    # LlamaRMSNorm and its copies (Qwen2/3, Mistral, ...): weight multiply after the downcast.
-    "rms_weight_first": ("rms", lambda h, w, eps: w * _normalize(h, eps).to(h.dtype)),
-    "rms_weight_last": ("rms", lambda h, w, eps: _normalize(h, eps).to(h.dtype) * w),
     # GemmaRMSNorm: (1 + w) multiply in fp32, then the downcast.
     "gemma_weight_last": ("gemma_rms", lambda h, w, eps: (_normalize(h, eps) * (1.0 + w.float())).to(h.dtype)),
     "gemma_weight_first": ("gemma_rms", lambda h, w, eps: ((1.0 + w.float()) * _normalize(h, eps)).to(h.dtype)),
+    # LlamaRMSNorm and its copies (Qwen2/3, Mistral, ...): weight multiply after the downcast.
+    "rms_weight_first": ("rms", lambda h, w, eps: w * _normalize(h, eps).to(h.dtype)),
+    "rms_weight_last": ("rms", lambda h, w, eps: _normalize(h, eps).to(h.dtype) * w),
 }
 
 # eps as the graph carries it: a float literal, or (dynamic=True) a 0-d float64 graph input.

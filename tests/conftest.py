@@ -1,0 +1,29 @@
+"""Shared fixtures: a fake process group for graph tests, and a fresh compile state per test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import arfusion
+
+
+@pytest.fixture
+def fake_pg():
+    """A single-process stand-in for a world of 2: graphs compile, collectives do not compute."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state(monkeypatch):
+    monkeypatch.delenv("ARFUSION_DISABLE", raising=False)
+    torch._dynamo.reset()
+    arfusion.reset_stats()
+    with torch._inductor.config.patch(fx_graph_cache=False, post_grad_custom_post_pass=None):
+        yield
+    torch._dynamo.reset()

@@ -1,0 +1,103 @@
+"""Small tensor-parallel building blocks written the way HF transformers writes them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class LlamaStyleRMSNorm(nn.Module):
+    """LlamaRMSNorm; `weight_last` flips the final multiply's operand order."""
+
+    def __init__(self, hidden, eps=1e-6, dtype=torch.bfloat16, weight_last=False):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(hidden).to(dtype))
+        self.variance_epsilon = eps
+        self.weight_last = weight_last
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight_last:
+            return hidden_states.to(input_dtype) * self.weight
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class GemmaStyleRMSNorm(nn.Module):
+    def __init__(self, hidden, eps=1e-6, dtype=torch.bfloat16):
+        super().__init__()
+        self.weight = nn.Parameter(0.1 * torch.randn(hidden).to(dtype))
+        self.eps = eps
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+def make_norm(kind: str, hidden: int, eps: float, dtype: torch.dtype) -> nn.Module:
+    if kind == "gemma":
+        return GemmaStyleRMSNorm(hidden, eps, dtype)
+    return LlamaStyleRMSNorm(hidden, eps, dtype, weight_last=(kind == "llama_weight_last"))
+
+
+class RowParallelThenNorm(nn.Module):
+    """o_proj (row parallel) -> all_reduce -> [residual add] -> norm, as in an HF decoder layer.
+
+    residual: "first" (residual + y, HF), "last" (y + residual) or "none" (norm reads the
+    all-reduce directly). Returns (norm_out, residual_sum) so the sum is consumed later,
+    or only norm_out when `sum_unused`.
+    """
+
+    def __init__(self, hidden, norm="llama", residual="first", eps=1e-6, dtype=torch.bfloat16,
+                 group=None, sum_unused=False):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.norm = make_norm(norm, hidden, eps, dtype)
+        self.residual, self.group, self.sum_unused = residual, group, sum_unused
+
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y, group=self.group)
+        if self.residual == "first":
+            h = residual + y
+        elif self.residual == "last":
+            h = y + residual
+        else:
+            h = y
+        out = self.norm(h)
+        return out if self.sum_unused else (out, h)
+
+
+class TinyDecoder(nn.Module):
+    """Embedding all-reduce -> norm, then per layer two all-reduce -> add -> norm sites.
+
+    Sites: 1 + 2 * layers. The final norm's residual sum has no later user.
+    """
+
+    def __init__(self, hidden=64, layers=2, dtype=torch.bfloat16, eps=1e-5, norm="llama", group=None):
+        super().__init__()
+        self.embed = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.attn = nn.ModuleList(nn.Linear(hidden, hidden, bias=False, dtype=dtype) for _ in range(layers))
+        self.mlp = nn.ModuleList(nn.Linear(hidden, hidden, bias=False, dtype=dtype) for _ in range(layers))
+        self.norms = nn.ModuleList(make_norm(norm, hidden, eps, dtype) for _ in range(2 * layers + 1))
+        self.group = group
+
+    def forward(self, x):
+        h = self.embed(x)
+        dist.all_reduce(h, group=self.group)
+        residual = h
+        normed = self.norms[0](h)
+        for i, (attn, mlp) in enumerate(zip(self.attn, self.mlp)):
+            for j, proj in enumerate((attn, mlp)):
+                y = proj(normed)
+                dist.all_reduce(y, group=self.group)
+                residual = residual + y
+                normed = self.norms[1 + 2 * i + j](residual)
+        return normed

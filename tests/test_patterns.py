@@ -1,0 +1,204 @@
+"""Which sites the pass rewrites, on graphs compiled against a fake process group."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import arfusion
+from arfusion.fusion_pass import ALL_REDUCE, FUSED_OP, ArFusionPass, ChainedPass
+
+from .models import RowParallelThenNorm, TinyDecoder
+
+HIDDEN = 64
+RESIDUALS = ("first", "last", "none")
+NORMS = ("llama", "llama_weight_last", "gemma")
+
+
+def compile_and_inspect(module, *inputs, config=None, dynamic=False):
+    """Compile with the pass; return (fused-op nodes' args, all_reduce nodes left, stats)."""
+    seen = {}
+
+    def inspect(graph):
+        seen["fused"] = [n.args for n in graph.nodes if n.target is FUSED_OP]
+        seen["left"] = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
+
+    config = config or arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")
+    options = {"post_grad_custom_post_pass": ChainedPass([ArFusionPass(config), inspect])}
+    with torch.no_grad():
+        torch.compile(module, options=options, dynamic=dynamic)(*inputs)
+    return seen["fused"], seen["left"], arfusion.stats()
+
+
+class AllSpellings(nn.Module):
+    """One site per (residual spelling, norm spelling), each with its own eps."""
+
+    EPS = (1e-5, 1e-6, 3e-4, 0.1, 1e-8, 2e-5, 7e-6, 1e-3, 5e-2)
+
+    def __init__(self, dtype):
+        super().__init__()
+        combos = [(r, n) for r in RESIDUALS for n in NORMS]
+        self.sites = nn.ModuleList(RowParallelThenNorm(HIDDEN, norm=n, residual=r, eps=eps, dtype=dtype)
+                                   for (r, n), eps in zip(combos, self.EPS))
+        self.combos = combos
+
+    def forward(self, x, residual):
+        return [site(x, residual) for site in self.sites]
+
+
+def inputs(dtype, tokens=8):
+    return torch.randn(2, tokens, HIDDEN, dtype=dtype), torch.randn(2, tokens, HIDDEN, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_spelling_fuses_with_its_own_eps(fake_pg, dtype):
+    model = AllSpellings(dtype)
+    fused, left, stats = compile_and_inspect(model, *inputs(dtype))
+    assert left == 0
+    # 2 residual spellings x 2 Llama spellings; 2 x Gemma; no residual: 2 Llama, 1 Gemma.
+    assert stats["by_pattern"] == {"allreduce_add_rmsnorm": 4, "allreduce_add_gemma_rmsnorm": 2,
+                                   "allreduce_rmsnorm": 2, "allreduce_gemma_rmsnorm": 1}
+    # Each site keeps its own eps, norm form and residual form.
+    expected = {(eps, "gemma_rms" if n == "gemma" else "rms", r != "none")
+                for (r, n), eps in zip(model.combos, model.EPS)}
+    got = {(args[3], args[6], args[1] is not None) for args in fused}
+    assert got == expected
+
+
+def test_dynamic_shapes_fuse_with_tensor_eps(fake_pg):
+    fused, left, _ = compile_and_inspect(AllSpellings(torch.bfloat16), *inputs(torch.bfloat16), dynamic=True)
+    assert len(fused) == 9 and left == 0
+    assert all(args[4] is not None for args in fused)  # eps arrives as a 0-d tensor
+
+
+def test_decoder_has_2L_plus_1_sites(fake_pg):
+    layers = 3
+    fused, left, stats = compile_and_inspect(TinyDecoder(HIDDEN, layers), torch.randn(1, 5, HIDDEN, dtype=torch.bfloat16))
+    assert stats["fused_sites"] == 2 * layers + 1 and left == 0
+    assert stats["by_pattern"] == {"allreduce_rmsnorm": 1, "allreduce_add_rmsnorm": 2 * layers}
+
+
+def test_residual_sum_not_used_later_still_fuses(fake_pg):
+    model = RowParallelThenNorm(HIDDEN, sum_unused=True)
+    fused, left, _ = compile_and_inspect(model, *inputs(torch.bfloat16))
+    assert len(fused) == 1 and left == 0
+
+
+def test_tp_subgroup_fuses_with_its_own_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        tp_group = dist.new_group([0, 1])
+        model = RowParallelThenNorm(HIDDEN, group=tp_group)
+        fused, left, _ = compile_and_inspect(model, *inputs(torch.bfloat16))
+        assert left == 0
+        assert [args[5] for args in fused] == [tp_group.group_name]
+        assert tp_group.group_name != dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ must not fuse
+
+
+class MaxReduce(RowParallelThenNorm):
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+        return self.norm(residual + y), residual + y
+
+
+class NormOverOtherDim(RowParallelThenNorm):
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = (residual + y).float()
+        out = h * torch.rsqrt(h.pow(2).mean(1, keepdim=True) + 1e-6)
+        return self.norm.weight * out.to(x.dtype), residual + y
+
+
+class LayerNormAfter(RowParallelThenNorm):
+    def __init__(self, hidden):
+        super().__init__(hidden)
+        self.ln = nn.LayerNorm(hidden, dtype=torch.bfloat16)
+
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = residual + y
+        return self.ln(h), h
+
+
+class RsqrtUsedElsewhere(RowParallelThenNorm):
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = (residual + y)
+        hf = h.float()
+        inv = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.norm.weight * (hf * inv).to(h.dtype), h, inv
+
+
+class NormalizedFp32UsedElsewhere(RowParallelThenNorm):
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = residual + y
+        hf = h.float()
+        normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.norm.weight * normed.to(h.dtype), h, normed.sum()
+
+
+@pytest.mark.parametrize("model_cls", [MaxReduce, NormOverOtherDim, LayerNormAfter, RsqrtUsedElsewhere,
+                                       NormalizedFp32UsedElsewhere])
+def test_lookalikes_stay_unfused(fake_pg, model_cls):
+    fused, left, stats = compile_and_inspect(model_cls(HIDDEN), *inputs(torch.bfloat16))
+    assert fused == [] and left == 1 and stats["fused_sites"] == 0
+
+
+# ------------------------------------------------------------------ switches
+
+
+def test_size_cap_declines_at_compile_time_and_says_why(fake_pg, caplog):
+    config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch", max_size_mb={2: 0.001})
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        fused, left, _ = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16), config=config)
+    assert fused == [] and left == 1
+    assert "not fused" in caplog.text and "cap 1048" in caplog.text
+
+
+def test_cap_for_another_world_size_does_not_apply(fake_pg):
+    config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch", max_size_mb={4: 0})
+    fused, _, _ = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16), config=config)
+    assert len(fused) == 1
+
+
+def test_env_opt_out(fake_pg, monkeypatch):
+    monkeypatch.setenv("ARFUSION_DISABLE", "1")
+    fused, left, _ = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16))
+    assert fused == [] and left == 1
+
+
+def test_flag_off_does_nothing(fake_pg):
+    config = arfusion.PassConfig(enable_allreduce_fusion=False)
+    fused, left, _ = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16), config=config)
+    assert fused == [] and left == 1
+
+
+def test_auto_on_cpu_uses_the_torch_backend(fake_pg):
+    config = arfusion.PassConfig(enable_allreduce_fusion=True)
+    fused, _, stats = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16), config=config)
+    assert [args[10] for args in fused] == ["auto"]
+    assert stats["dispatch"] == {"torch": 1}
+
+
+def test_one_info_line_per_graph(fake_pg, caplog):
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        compile_and_inspect(TinyDecoder(HIDDEN, 1), torch.randn(1, 3, HIDDEN, dtype=torch.bfloat16))
+    lines = [r.getMessage() for r in caplog.records if "fused 3 site(s)" in r.getMessage()]
+    assert len(lines) == 1 and "0 all_reduce left unfused" in lines[0]
