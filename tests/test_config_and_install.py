@@ -1,0 +1,138 @@
+"""PassConfig loading, installing the pass next to a user's own pass, and cache keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import arfusion
+from arfusion.fusion_pass import ArFusionPass, ChainedPass
+
+
+class UserPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "user-pass-v1"
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_vllm_style_dict_and_inner_dict_load_the_same():
+    outer = arfusion.PassConfig.from_dict({"pass_config": {"enable_allreduce_fusion": True, "backend": "torch"}})
+    inner = arfusion.PassConfig.from_dict({"enable_allreduce_fusion": True, "backend": "torch"})
+    text = arfusion.PassConfig.from_dict('{"pass_config": {"enable_allreduce_fusion": true, "backend": "torch"}}')
+    assert outer == inner == text
+    assert outer.enable_allreduce_fusion and outer.backend == "torch"
+
+
+def test_vllm_size_cap_key_is_understood_and_other_vllm_keys_ignored():
+    cfg = arfusion.PassConfig.from_dict({"pass_config": {
+        "enable_allreduce_fusion": True, "fi_allreduce_fusion_max_size_mb": {"2": 64, "4": 2},
+        "fuse_norm_quant": True}})
+    assert cfg.max_size_mb == {2: 64.0, 4: 2.0}
+    assert cfg.max_bytes(4) == 2 * 1024 * 1024 and cfg.max_bytes(8) is None
+
+
+def test_unknown_key_and_bad_values_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown pass_config key 'enable_allreduce_fuson'"):
+        arfusion.PassConfig.from_dict({"enable_allreduce_fuson": True})
+    with pytest.raises(ValueError, match="backend must be one of"):
+        arfusion.PassConfig(backend="nccl")
+    with pytest.raises(ValueError, match="unknown quant_forms"):
+        arfusion.PassConfig(quant_forms=("fp8_static", "int4"))
+
+
+# ------------------------------------------------------------------ installing
+
+
+def test_enable_chains_after_a_user_pass_and_disable_restores_it():
+    user = UserPass()
+    inductor_config.post_grad_custom_post_pass = user
+    ours = arfusion.enable()
+    slot = inductor_config.post_grad_custom_post_pass
+    assert isinstance(slot, ChainedPass) and slot.passes == [user, ours]
+    arfusion.enable(arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch"))  # re-enable: replaces ours
+    assert len(inductor_config.post_grad_custom_post_pass.passes) == 2
+    arfusion.disable()
+    assert inductor_config.post_grad_custom_post_pass is user
+
+
+def test_inductor_options_keep_the_global_user_pass():
+    user = UserPass()
+    inductor_config.post_grad_custom_post_pass = user
+    slot = arfusion.inductor_options({"enable_allreduce_fusion": True})["post_grad_custom_post_pass"]
+    assert slot.passes[0] is user and isinstance(slot.passes[1], ArFusionPass)
+    assert inductor_config.post_grad_custom_post_pass is user  # options do not touch the global
+
+
+def test_user_pass_still_runs_under_compile():
+    user = UserPass()
+    inductor_config.post_grad_custom_post_pass = user
+    arfusion.enable()
+    torch.compile(lambda x: x.sin() + 1)(torch.randn(4))
+    assert user.calls == 1
+    arfusion.disable()
+
+
+def test_disable_without_enable_is_harmless():
+    arfusion.disable()
+    assert inductor_config.post_grad_custom_post_pass is None
+
+
+# ------------------------------------------------------------------ cache keys
+
+
+def test_uuid_is_stable_and_tracks_config_env_and_version(monkeypatch):
+    base = ArFusionPass(arfusion.PassConfig(enable_allreduce_fusion=True))
+    assert base.uuid() == ArFusionPass(arfusion.PassConfig(enable_allreduce_fusion=True)).uuid()
+    other_backend = ArFusionPass(arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch"))
+    other_cap = ArFusionPass(arfusion.PassConfig(enable_allreduce_fusion=True, max_size_mb={4: 1}))
+    assert len({base.uuid(), other_backend.uuid(), other_cap.uuid()}) == 3
+    plain = base.uuid()
+    monkeypatch.setenv("ARFUSION_DISABLE", "1")
+    assert base.uuid() != plain
+    monkeypatch.delenv("ARFUSION_DISABLE")
+    monkeypatch.setattr("arfusion.fusion_pass.__version__", "9.9.9")
+    assert base.uuid() != plain
+
+
+def test_uuid_tracks_pattern_source(monkeypatch):
+    before = ArFusionPass().uuid()
+    monkeypatch.setattr("arfusion.fusion_pass._source_hash", lambda: "edited")
+    assert ArFusionPass().uuid() != before
+
+
+def test_chain_is_cacheable_only_if_every_pass_is():
+    ours = ArFusionPass()
+    assert ChainedPass([UserPass(), ours]).uuid() is not None
+    assert ChainedPass([lambda g: None, ours]).uuid() is None
+
+
+def test_warm_fx_graph_cache_hit_still_fuses_and_dispatches(fake_pg):
+    """A cached graph is served without running the pass; the op must not need it."""
+    from torch._inductor.utils import fresh_cache
+
+    from .models import RowParallelThenNorm
+
+    model = RowParallelThenNorm(64)
+    x, r = torch.randn(1, 4, 64, dtype=torch.bfloat16), torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    options = arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch"))
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), torch.no_grad():
+        torch.compile(model, options=options)(x, r)
+        assert arfusion.stats()["fused_sites"] == 1
+        torch._dynamo.reset()
+        arfusion.reset_stats()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        torch.compile(model, options=options)(x, r)
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1
+    # The pass did not run (served from cache), yet the fused op ran.
+    assert arfusion.stats()["fused_sites"] == 0 and arfusion.stats()["dispatch"] == {"torch": 1}

@@ -1,0 +1,144 @@
+"""Fused vs uncompiled on real gloo process groups (CPU), for every variant and dtype."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(fn, world: int, *args) -> None:
+    mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def _worker(rank, world, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_close(actual, expected, dtype, what):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    err = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e}"
+
+
+def compiled_vs_eager(module, inputs, dynamic=False, backend="torch"):
+    import arfusion
+
+    arfusion.reset_stats()
+    torch._dynamo.reset()
+    options = arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend))
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        expected = module(*inputs)
+        actual = torch.compile(module, options=options, dynamic=dynamic)(*inputs)
+    return actual, expected, arfusion.stats()
+
+
+# ------------------------------------------------------------------ workers
+
+
+def _all_spellings(rank, dtype, dynamic):
+    from .test_patterns import AllSpellings, inputs
+
+    torch.manual_seed(0)  # same weights on every rank
+    model = AllSpellings(dtype)
+    torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
+    actual, expected, stats = compiled_vs_eager(model, inputs(dtype, tokens=5), dynamic=dynamic)
+    assert stats["fused_sites"] == 9 and stats["dispatch"] == {"torch": 9}
+    for (res_form, norm), (a_norm, a_sum), (e_norm, e_sum) in zip(model.combos, actual, expected):
+        # Norm and residual sum are compared separately: swapped outputs would fail here.
+        assert_close(a_norm, e_norm, dtype, f"norm of {res_form}/{norm}")
+        assert_close(a_sum, e_sum, dtype, f"residual sum of {res_form}/{norm}")
+
+
+def _decoder(rank):
+    from .models import TinyDecoder
+
+    torch.manual_seed(0)
+    model = TinyDecoder(64, layers=2)
+    torch.manual_seed(100 + rank)
+    actual, expected, stats = compiled_vs_eager(model, (torch.randn(1, 6, 64, dtype=torch.bfloat16),))
+    assert stats["fused_sites"] == 5
+    assert_close(actual, expected, torch.bfloat16, "decoder output")
+
+
+def _op_outputs_by_name(rank):
+    """Direct op calls: each output is what its name says, on both the fused and fallback path."""
+    import arfusion
+    from arfusion import reference
+    from arfusion.backends.base import Site
+
+    group = dist.group.WORLD.group_name
+    torch.manual_seed(rank)
+    x, residual = torch.randn(3, 32), torch.randn(3, 32)
+    weight = torch.rand(32) + 0.5
+    reduced = x.clone()
+    dist.all_reduce(reduced)
+    for max_bytes, path in ((-1, "torch"), (0, "fallback")):
+        arfusion.reset_stats()
+        for res in (residual, None):
+            site = Site(residual=res is not None, norm="rms")
+            outs = torch.ops.arfusion.fused_allreduce_rmsnorm(
+                x, res, weight, 1e-6, None, group, "rms", "none", None, True, "torch", max_bytes)
+            h = reduced if res is None else res + reduced
+            expected = {"residual": h, "norm": reference.rms_norm(h, weight, 1e-6, "rms")}
+            for name, out in zip(site.outputs(), outs):
+                assert_close(out, expected[name], torch.float32, f"{name} via {path}")
+        assert arfusion.stats()["dispatch"] == {path: 2}
+
+
+def _dp_by_tp(rank):
+    """World of 4 = two TP groups of 2; each site must reduce over its own pair only."""
+    from .models import RowParallelThenNorm
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    tp_group = groups[rank // 2]
+    torch.manual_seed(0)
+    model = RowParallelThenNorm(32, group=tp_group)
+    torch.manual_seed(100 + rank)
+    x, residual = torch.randn(1, 4, 32, dtype=torch.bfloat16), torch.randn(1, 4, 32, dtype=torch.bfloat16)
+    (a_norm, a_sum), (e_norm, e_sum), stats = compiled_vs_eager(model, (x, residual))
+    assert stats["fused_sites"] == 1
+    assert_close(a_norm, e_norm, torch.bfloat16, "norm")
+    assert_close(a_sum, e_sum, torch.bfloat16, "residual sum")
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_every_variant_matches_uncompiled(dtype):
+    run_workers(_all_spellings, 2, dtype, False)
+
+
+def test_dynamic_shapes_match_uncompiled():
+    run_workers(_all_spellings, 2, torch.bfloat16, True)
+
+
+def test_decoder_matches_uncompiled():
+    run_workers(_decoder, 2)
+
+
+def test_op_outputs_land_where_named():
+    run_workers(_op_outputs_by_name, 2)
+
+
+def test_tp_subgroups_inside_a_larger_world():
+    run_workers(_dp_by_tp, 4)
