@@ -62,7 +62,8 @@ def fused_allreduce_rmsnorm(
                 group_name=group_name)
     chosen, reason = resolve(backend, x.device)
     if chosen is not None:
-        reason = chosen.why_not(call, None if max_bytes < 0 else max_bytes)
+        override = None if max_bytes < 0 else max_bytes
+        reason = chosen.why_not(call, override) or chosen.prepare(call, override)
     if reason is None:
         stats.record_dispatch(chosen.name)
         outs = chosen.run(call, x, residual, weight, eps, quant_scale)

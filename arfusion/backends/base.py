@@ -107,7 +107,8 @@ class Backend:
 
     Optional hooks: `unavailable(device)` says why the backend cannot run on this machine
     (missing package, wrong GPU); `shape_check(call)` adds backend-specific shape rules;
-    `default_max_bytes(call)` is the backend's own size cap (inclusive; None: unlimited).
+    `default_max_bytes(call)` is the backend's own size cap (inclusive; None: unlimited);
+    `prepare(call, max_bytes_override)` readies run-time resources.
     """
 
     name: str = "base"
@@ -131,6 +132,12 @@ class Backend:
         cap = max_bytes_override if max_bytes_override is not None else self.default_max_bytes(call)
         if cap is not None and call.nbytes is not None and call.nbytes > cap:
             return f"{call.nbytes} bytes per rank > cap {cap}"
+        return None
+
+    def prepare(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+        """Run time only, after `why_not` accepted the call: get what the kernel needs (e.g. a
+        workspace, created collectively). None when ready, else why not. The pass never calls
+        it, so nothing here may be assumed to exist when a compiled graph is loaded from cache."""
         return None
 
     def fingerprint(self) -> str:

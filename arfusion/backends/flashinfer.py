@@ -1,0 +1,355 @@
+"""FlashInfer backend: all-reduce + residual add + RMSNorm in one kernel on NVIDIA GPUs.
+
+Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`
+and `allreduce_fusion`, always with backend="trtllm". "auto" would pick "mnnvl" on NVSwitch
+machines, which uses NVLink multicast: not allowed on shared machines and not needed on one node.
+
+Lifecycle of the per-group workspace (all of it inside the fused op, at run time, because a
+warm FX-graph cache loads rewritten graphs without running the pass):
+  * created on the first eager call that wants it, never during CUDA-graph capture (a capture
+    without a workspace declines, and the op computes the unfused result);
+  * collectively: the ranks first compare readiness and environment, then create it, then
+    confirm success; any failure anywhere makes every rank fall back, so no rank waits forever
+    in a kernel its peers never enter;
+  * sized for the largest input that will be fused and reused across shapes and graphs while
+    `is_buffer_size_sufficient`; an outgrown one is kept alive (graphs may still point into it);
+  * destroyed at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import math
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import flashinfer_dispatch as dispatch
+from .base import NORM_FORMS, Backend, Call, Capabilities, flatten_tokens
+
+log = logging.getLogger("arfusion")
+
+# The unified allreduce_fusion calls FlashInfer's own deprecated entry point on every call.
+warnings.filterwarnings("ignore", message="use the unified API allreduce.py", category=DeprecationWarning)
+
+WORLD_SIZES = frozenset({2, 4, 8, 16})
+FI_BACKEND = "trtllm"  # the only FlashInfer backend this module ever asks for
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    sm: tuple[int, int]
+    name: str
+    uuid: str
+
+
+@functools.lru_cache(maxsize=None)
+def device_facts(index: int) -> DeviceFacts:
+    props = torch.cuda.get_device_properties(index)
+    return DeviceFacts((props.major, props.minor), props.name, str(props.uuid))
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _capturing() -> bool:
+    return _has_cuda() and torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _hash63(text: str) -> int:
+    """A stable integer that fits an int64 tensor, to compare strings across ranks."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _flashinfer_version() -> str:
+    try:
+        return importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown" if importlib.util.find_spec("flashinfer") is not None else "missing"
+
+
+@dataclass
+class _GroupState:
+    """FlashInfer resources of one process group."""
+
+    workspace: Any = None
+    capacity_elems: int = 0  # input elements per rank the workspace holds
+    failed: str | None = None  # set on every rank at once; the group then stays unfused
+    retired: list = field(default_factory=list)  # outgrown workspaces that graphs may still use
+    zeros: dict = field(default_factory=dict)  # dtype -> zero residual for sites without one
+
+
+@dataclass
+class FlashInferBackend(Backend):
+    name: str = "flashinfer"
+    capabilities: Capabilities = field(default_factory=lambda: Capabilities(
+        device_types=frozenset({"cuda"}),
+        dtypes=frozenset(dispatch.HALF_DTYPES),
+        norms=frozenset(NORM_FORMS),
+        quants=frozenset({"none"}),
+        world_sizes=WORLD_SIZES,
+        residual_optional=True,  # fed a zero residual: no FlashInfer pattern norms without one
+    ))
+    # Kernel launch knobs. PDL lets the kernel's launch overlap the previous kernel's tail;
+    # completion is always signalled at the end (early completion with one-shot gave NaN,
+    # vllm#45448, and nothing after us waits on an early signal anyway). fp32 accumulation
+    # keeps the cross-rank sum as exact as the fp32 RMS that follows.
+    launch_with_pdl: bool = True
+    fp32_acc: bool = True
+    force_oneshot: bool | None = None  # benchmarks only: override the table's switch
+    _groups: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------- static decisions
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if device.type != "cuda" or torch.version.hip:
+            return "needs an NVIDIA CUDA device"
+        return _environment_problem(_device_index(device))
+
+    def shape_check(self, call: Call) -> str | None:
+        if call.weight_dtype != call.dtype:
+            # The kernel reinterprets gamma as the input dtype: garbage otherwise (vllm#48324).
+            return f"RMSNorm weight dtype {call.weight_dtype} != input dtype {call.dtype}"
+        if call.hidden % 8:
+            return f"hidden size {call.hidden} is not a multiple of 8"
+        if call.nbytes is not None and call.nbytes > dispatch.HARD_MAX_FUSED_BYTES:
+            return (f"{call.nbytes} bytes per rank > {dispatch.HARD_MAX_FUSED_BYTES} "
+                    "(largest FlashInfer workspace arfusion creates)")
+        return None
+
+    def limits(self, call: Call) -> dispatch.Limits | None:
+        facts = device_facts(_device_index(call.device))
+        return dispatch.limits_for(facts.sm[0], facts.name, call.world_size, call.hidden, call.dtype)
+
+    def default_max_bytes(self, call: Call) -> int | None:
+        limits = self.limits(call)
+        return 0 if limits is None else limits.max_fused_bytes
+
+    def why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+        reason = self.capabilities.why_not(call) or self.unavailable(call.device) or self.shape_check(call)
+        if reason:
+            return reason
+        if max_bytes_override is not None:
+            cap, source = max_bytes_override, "the configured max_size_mb"
+        else:
+            limits = self.limits(call)
+            if limits is None:
+                return (f"no dispatch entry for SM {device_facts(_device_index(call.device)).sm[0]}x, "
+                        f"world size {call.world_size}, {call.dtype} (run `arfusion tune`)")
+            cap, source = limits.max_fused_bytes, limits.source
+        if call.nbytes is not None and call.nbytes > cap:
+            return f"{call.nbytes} bytes per rank > cap {cap} ({source})"
+        return None
+
+    def use_oneshot(self, call: Call) -> bool:
+        if self.force_oneshot is not None:
+            return self.force_oneshot or call.tokens <= call.world_size
+        limits = self.limits(call) or dispatch.Limits(0, 0, "none")
+        return dispatch.use_oneshot(limits, call.tokens, call.nbytes, call.world_size)
+
+    def fingerprint(self) -> str:
+        return f"flashinfer {_flashinfer_version()} table {dispatch.table_hash()}"
+
+    # ------------------------------------------------------------- run time
+
+    def prepare(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+        state = self._groups.setdefault(call.group_name, _GroupState())
+        if state.failed:
+            return state.failed
+        if not self._fits(state, call):
+            if _capturing():
+                return ("no large enough FlashInfer workspace yet and workspaces are never created "
+                        "during CUDA-graph capture: run the model once eagerly first")
+            # Sized for the largest input this configuration fuses (the user's cap, else the
+            # table's), so one workspace serves every shape and every captured graph.
+            cap = max_bytes_override if max_bytes_override is not None else self.default_max_bytes(call)
+            wanted = min(max(cap or 0, call.nbytes), dispatch.HARD_MAX_FUSED_BYTES)
+            reason = self._create_workspace(state, call, wanted)
+            if reason:
+                return reason
+        if not call.site.residual and call.dtype not in state.zeros and not _capturing():
+            state.zeros[call.dtype] = torch.zeros(state.capacity_elems, dtype=call.dtype, device=call.device)
+        return None
+
+    def _fits(self, state: _GroupState, call: Call) -> bool:
+        ws = state.workspace
+        return (ws is not None and call.tokens * call.hidden <= state.capacity_elems
+                and ws.is_buffer_size_sufficient(call.world_size, call.tokens, call.hidden, call.dtype))
+
+    def _create_workspace(self, state: _GroupState, call: Call, wanted_bytes: int) -> str | None:
+        """Collective over the call's group; every rank returns the same verdict."""
+        group = dist.distributed_c10d._resolve_process_group(call.group_name)
+        comm_device = call.device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+        started = time.perf_counter()
+
+        local_problem = _build_kernels()
+        facts = [] if local_problem else _rank_facts(_device_index(call.device))
+        verdict = _group_verdict(local_problem, facts, group, comm_device)
+        if not _all_agree(verdict is None, group, comm_device):
+            state.failed = verdict or "another rank of the group cannot use FlashInfer (see its log)"
+            return state.failed
+
+        itemsize = torch.empty((), dtype=call.dtype).element_size()
+        max_tokens = max(1, math.ceil(wanted_bytes / (call.hidden * itemsize)))
+        workspace, error = None, None
+        try:
+            fic = importlib.import_module("flashinfer.comm")
+            workspace = fic.create_allreduce_fusion_workspace(
+                backend=FI_BACKEND, world_size=group.size(), rank=group.rank(),
+                max_token_num=max_tokens, hidden_dim=call.hidden, dtype=call.dtype, group=group)
+        except Exception as e:  # reported below, after every rank has said how it went
+            error = f"{type(e).__name__}: {e}"
+        if not _all_agree(error is None, group, comm_device):
+            if workspace is not None:
+                workspace.destroy()
+            state.failed = f"FlashInfer workspace creation failed: {error or 'on another rank'}"
+            return state.failed
+
+        if state.workspace is not None:
+            state.retired.append(state.workspace)
+        state.workspace, state.capacity_elems = workspace, max_tokens * call.hidden
+        state.zeros.clear()
+        log.info("arfusion: FlashInfer workspace for group %s (world %d): up to %d tokens x %d "
+                 "(%.1f MiB per rank input) ready in %.1fs", call.group_name, group.size(), max_tokens,
+                 call.hidden, max_tokens * call.hidden * itemsize / dispatch.MiB,
+                 time.perf_counter() - started)
+        return None
+
+    def run(self, call, x, residual, weight, eps, quant_scale):
+        fic = importlib.import_module("flashinfer.comm")
+        state = self._groups[call.group_name]
+        x2 = flatten_tokens(x)
+        if residual is not None:
+            residual_in = flatten_tokens(residual)
+        elif call.dtype in state.zeros:
+            residual_in = state.zeros[call.dtype][: x2.numel()].view_as(x2)
+        else:  # first use of a residual-free site inside a capture: a memset in the graph
+            residual_in = torch.zeros_like(x2)
+        residual_out = torch.empty_like(x2)
+        norm_out = torch.empty_like(x2)
+        fic.allreduce_fusion(
+            input=x2, workspace=state.workspace,
+            pattern=fic.AllReduceFusionPattern.kARResidualRMSNorm,
+            launch_with_pdl=self.launch_with_pdl, trigger_completion_at_end=True,
+            residual_out=residual_out, norm_out=norm_out, residual_in=residual_in,
+            rms_gamma=weight.contiguous(), rms_eps=float(eps),
+            use_oneshot=self.use_oneshot(call), fp32_acc=self.fp32_acc,
+            weight_bias=1.0 if call.site.norm == "gemma_rms" else 0.0)
+        return [residual_out, norm_out]
+
+    def workspace(self, group_name: str):
+        """The live workspace of a group, or None (benchmarks use it to call FlashInfer directly)."""
+        state = self._groups.get(group_name)
+        return None if state is None else state.workspace
+
+    def close(self) -> None:
+        """Free every workspace. Called at exit; call it earlier to free memory sooner."""
+        for state in self._groups.values():
+            for ws in [state.workspace, *state.retired]:
+                if ws is not None:
+                    try:
+                        ws.destroy()
+                    except Exception:  # interpreter shutdown may have torn CUDA down already
+                        pass
+        self._groups.clear()
+
+
+# ----------------------------------------------------------------- environment checks
+
+
+@functools.lru_cache(maxsize=None)
+def _environment_problem(index: int) -> str | None:
+    """Why this GPU cannot run the kernel, from facts that are equal across a node's ranks."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return "FlashInfer is not installed (pip install flashinfer-python==0.7.2.post1)"
+    facts = device_facts(index)
+    if facts.sm[0] not in dispatch.SUPPORTED_SM_MAJORS:
+        return f"{facts.name} (SM {facts.sm[0]}.{facts.sm[1]}) is not supported"
+    return None
+
+
+def _build_kernels() -> str | None:
+    """Import FlashInfer and build/load its comm kernels (JIT; minutes on a cold cache)."""
+    try:
+        importlib.import_module("flashinfer.comm")
+        importlib.import_module("flashinfer.comm.trtllm_ar").get_trtllm_comm_module()
+    except Exception as e:
+        return f"FlashInfer kernels unavailable: {type(e).__name__}: {e}"
+    return None
+
+
+# Facts each rank contributes to the verdict, in this order.
+_FACTS = ("host", "device_uuid", "sm", "table")
+
+
+def _rank_facts(index: int) -> list[int]:
+    facts = device_facts(index)
+    return [_hash63(socket.gethostname()), _hash63(facts.uuid), facts.sm[0] * 10 + facts.sm[1],
+            _hash63(dispatch.table_hash())]
+
+
+def _group_verdict(local_problem: str | None, facts: list[int], group, comm_device) -> str | None:
+    """None if this rank sees no reason against using FlashInfer with this group.
+
+    Gathers every rank's facts (a failed rank sends zeros), so the checks below see the same
+    data on every rank; only the P2P query is local, and `_all_agree` settles that.
+    """
+    mine = torch.tensor([0 if local_problem else 1, *(facts or [0] * len(_FACTS))],
+                        dtype=torch.int64, device=comm_device)
+    rows = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(rows, mine, group=group)
+    table = [row.tolist() for row in rows]
+    if local_problem:
+        return local_problem
+    if any(row[0] == 0 for row in table):
+        return "FlashInfer kernels unavailable on another rank of the group"
+    host, uuid, sm, tables = (set(col) for col in list(zip(*table))[1:])
+    if len(host) > 1:
+        return "the group spans nodes (FlashInfer's trtllm all-reduce is single-node only)"
+    if len(uuid) < len(table):
+        return "two ranks of the group share one GPU"
+    if len(sm) > 1:
+        return "the group mixes GPU models"
+    if len(tables) > 1:
+        return "ranks read different dispatch tables (tuned cache differs)"
+    return _p2p_problem([row[2] for row in table])
+
+
+def _p2p_problem(peer_uuid_hashes: list[int]) -> str | None:
+    local_by_uuid = {_hash63(device_facts(i).uuid): i for i in range(torch.cuda.device_count())}
+    me = torch.cuda.current_device() if local_by_uuid else -1
+    for peer in peer_uuid_hashes:
+        index = local_by_uuid.get(peer)
+        if index is None:
+            # The peer GPU is hidden from this process (per-rank CUDA_VISIBLE_DEVICES): workspace
+            # creation maps its memory and fails cleanly if there is no path.
+            continue
+        if index != me and not torch.cuda.can_device_access_peer(me, index):
+            return f"no P2P access between GPU {me} and GPU {index}"
+    return None
+
+
+def _all_agree(ok: bool, group, comm_device) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=comm_device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

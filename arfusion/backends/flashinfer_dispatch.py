@@ -1,0 +1,127 @@
+"""Where FlashInfer's fused all-reduce pays: the one place holding the size thresholds.
+
+Two sources, the first that has an entry wins:
+
+1. a tuned cache written by `arfusion tune` on the user's machine, keyed by
+   (GPU name, world size, hidden, dtype) and holding the measured crossover token counts;
+2. the seeded table below, keyed by (SM major, world size, dtype), in bytes per rank.
+
+Every value a decision reads (shapes, dtype, world size, GPU model, the files' content) is the
+same on every rank of a single-node group, so all ranks choose the same path. The workspace
+agreement in flashinfer.py also compares a hash of these tables across the group.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+MiB = 1 << 20
+CACHE_ENV = "ARFUSION_TUNE_CACHE"
+CACHE_VERSION = 1
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Never fused above this, whatever a table or override says: the largest cap any peer uses,
+# and 8192 x 8192 bf16 (128 MiB) hung or faulted in FlashInfer (flashinfer#1986). It also
+# bounds the workspace (about 4 x world x this per rank).
+HARD_MAX_FUSED_BYTES = 64 * MiB
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-rank input bytes: fuse while <= max_fused_bytes (inclusive); one-shot while
+    <= oneshot_max_bytes, two-shot above (two-shot also needs tokens > world size)."""
+
+    max_fused_bytes: int
+    oneshot_max_bytes: int
+    source: str
+
+
+# (SM major, world size) -> limits for 16-bit inputs, bytes per rank. Sources:
+#  - SM90 world 4 and 2: our H200 sweep (docs/benchmarks.md, FIELD_NOTES §7); vLLM's SM90
+#    table agrees on the world-4 cap (2 MiB) and the world-2 cap (64 MiB).
+#  - SM90 world 8 and SM100: vLLM's FI_ALLREDUCE_FUSION_MAX_SIZE_MB and one-shot tables
+#    (SM100 uses its B200 column, the most conservative of the SM10x columns).
+# World 16 has no single-node data: only a tuned entry enables it.
+_SEED_16BIT: dict[tuple[int, int], tuple[float, float]] = {
+    (9, 2): (64, 32),
+    (9, 4): (2, 2),
+    (9, 8): (0.5, 0.5),
+    (10, 2): (64, 32),
+    (10, 4): (32, 4),
+    (10, 8): (1, 1),
+}
+
+SEED_TABLE: dict[tuple[int, int, torch.dtype], Limits] = {
+    (sm, ws, dtype): Limits(int(cap * MiB), int(one * MiB), f"seed table SM{sm}x world {ws}")
+    for (sm, ws), (cap, one) in _SEED_16BIT.items() for dtype in HALF_DTYPES
+}
+SUPPORTED_SM_MAJORS = frozenset(sm for sm, _ in _SEED_16BIT)
+
+
+def cache_path() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "arfusion" / "flashinfer-tuning.json"
+
+
+def tuned_key(gpu_name: str, world_size: int, hidden: int, dtype: torch.dtype) -> str:
+    return f"{gpu_name}|world={world_size}|hidden={hidden}|{str(dtype).removeprefix('torch.')}"
+
+
+@functools.cache
+def _read_cache(path: str) -> tuple[dict, str]:
+    """(entries, sha256 of the file) or ({}, "") when absent; unreadable files count as absent."""
+    try:
+        raw = Path(path).read_bytes()
+        data = json.loads(raw)
+    except (OSError, ValueError):
+        return {}, ""
+    if data.get("version") != CACHE_VERSION:
+        return {}, ""
+    return dict(data.get("entries", {})), hashlib.sha256(raw).hexdigest()[:16]
+
+
+def tuned_entries() -> dict:
+    return _read_cache(str(cache_path()))[0]
+
+
+def cache_hash() -> str:
+    """Content hash of the tuned cache ("" when none): part of the pass uuid."""
+    return _read_cache(str(cache_path()))[1]
+
+
+def forget_cache() -> None:
+    """Re-read the cache next time (after `arfusion tune` wrote it in this process)."""
+    _read_cache.cache_clear()
+    limits_for.cache_clear()
+
+
+@functools.lru_cache(maxsize=256)
+def limits_for(sm_major: int, gpu_name: str, world_size: int, hidden: int,
+               dtype: torch.dtype) -> Limits | None:
+    """The limits that apply, or None when neither a tuned entry nor the table covers it."""
+    entry = tuned_entries().get(tuned_key(gpu_name, world_size, hidden, dtype))
+    if entry is not None:
+        row = hidden * torch.empty((), dtype=dtype).element_size()
+        return Limits(int(entry["max_fused_tokens"]) * row, int(entry["oneshot_max_tokens"]) * row,
+                      f"tuned cache {cache_path()}")
+    return SEED_TABLE.get((sm_major, world_size, dtype))
+
+
+def use_oneshot(limits: Limits, tokens: int, nbytes: int, world_size: int) -> bool:
+    # Two-shot splits tokens across ranks and asserts tokens > world size.
+    return tokens <= world_size or nbytes <= limits.oneshot_max_bytes
+
+
+def table_hash() -> str:
+    """Identifies every input of dispatch; compared across ranks before a workspace is used."""
+    seed = repr(sorted((k[0], k[1], str(k[2]), v.max_fused_bytes, v.oneshot_max_bytes)
+                       for k, v in SEED_TABLE.items()))
+    return hashlib.sha256(f"{seed}|{cache_hash()}".encode()).hexdigest()[:16]

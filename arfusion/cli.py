@@ -1,0 +1,94 @@
+"""The `arfusion` command.
+
+    torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096 [--dtype bf16]
+    arfusion table            # what dispatch would do, per table entry and tuned entry
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _tune(args) -> int:
+    import torch.distributed as dist
+
+    from . import tuning
+
+    if "RANK" not in os.environ:
+        print("arfusion tune: run it under torchrun, one process per GPU, e.g.\n"
+              "  torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096", file=sys.stderr)
+        return 2
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else tuning.DEFAULT_TOKENS
+    try:
+        for hidden in args.hidden:
+            entry = tuning.tune(hidden, DTYPES[args.dtype], tokens, cache=args.cache, eps=args.eps,
+                                calls=args.calls, replays=args.replays)
+            if dist.get_rank() == 0:
+                print(f"\n{entry['gpu']}, world {entry['world_size']}, hidden {hidden}, {entry['dtype']}")
+                print(tuning.format_rows(entry))
+        if dist.get_rank() == 0:
+            from .backends.flashinfer_dispatch import cache_path
+
+            print(f"stored in {args.cache or cache_path()}")
+    finally:
+        from .backends import get_backend
+
+        backend = get_backend("flashinfer")
+        if not isinstance(backend, str):
+            backend.close()
+        if own_group:
+            dist.destroy_process_group()
+    return 0
+
+
+def _table(args) -> int:
+    from .backends import flashinfer_dispatch as dispatch
+
+    print("seed table (bytes per rank, inclusive):")
+    print(f"{'SM':>4} {'world':>5} {'dtype':>9} {'fuse up to':>12} {'one-shot up to':>15}")
+    for (sm, ws, dtype), lim in sorted(dispatch.SEED_TABLE.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]))):
+        print(f"{sm:>4} {ws:>5} {str(dtype).removeprefix('torch.'):>9} "
+              f"{lim.max_fused_bytes / dispatch.MiB:>9.2f} MiB {lim.oneshot_max_bytes / dispatch.MiB:>11.2f} MiB")
+    print(f"tuned cache: {dispatch.cache_path()} ({'present' if dispatch.cache_hash() else 'absent'})")
+    for key, entry in sorted(dispatch.tuned_entries().items()):
+        print(f"  {key}: fuse up to {entry['max_fused_tokens']} tokens, one-shot up to "
+              f"{entry['oneshot_max_tokens']} tokens")
+    if args.json:
+        print(json.dumps(dispatch.tuned_entries(), indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="arfusion", description="arfusion utilities")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tune = sub.add_parser("tune", help="measure fused vs unfused on this machine (under torchrun)")
+    tune.add_argument("--hidden", type=int, nargs="+", required=True, help="model hidden size(s)")
+    tune.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    tune.add_argument("--tokens", default="", help="comma-separated token counts (default: 1..8192)")
+    tune.add_argument("--cache", default=None, help="cache file (default: $ARFUSION_TUNE_CACHE or "
+                      "~/.cache/arfusion/flashinfer-tuning.json)")
+    tune.add_argument("--eps", type=float, default=1e-6)
+    tune.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
+    tune.add_argument("--replays", type=int, default=30, help="graph replays per measurement")
+    tune.set_defaults(func=_tune)
+    table = sub.add_parser("table", help="print the dispatch table and tuned entries")
+    table.add_argument("--json", action="store_true", help="also dump the tuned entries")
+    table.set_defaults(func=_table)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

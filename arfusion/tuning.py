@@ -1,0 +1,276 @@
+"""`arfusion tune`: measure where FlashInfer's fused kernel beats the unfused path, and cache it.
+
+Run under torchrun, one process per GPU of the tensor-parallel group:
+
+    torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096
+
+For each token count it times, inside CUDA graphs, (1) NCCL all_reduce in place + the
+torch.compile'd add+RMSNorm (what Inductor runs when nothing is fused), (2) the fused op with
+one-shot and (3) with two-shot. Every rank then holds the slowest rank's numbers, so all derive
+the same crossover points; rank 0 stores them in the JSON cache that dispatch reads
+(`flashinfer_dispatch.cache_path()`), keyed by (GPU name, world size, hidden, dtype).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import reference
+from .backends.base import Site
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
+                  3072, 4096, 6144, 8192)
+PLAIN_SITE = Site(residual=True, norm="rms")
+
+
+# ----------------------------------------------------------------- timing helpers
+
+
+def time_in_graph(fn: Callable[[], object], group=None, calls: int = 20, replays: int = 30,
+                  warmup: int = 3) -> float:
+    """Median microseconds per `fn()` call, with `calls` calls captured in one CUDA graph and
+    the graph replayed `replays` times (ranks aligned by a barrier before each replay).
+
+    The warm-up runs eagerly on a side stream first: that is where lazily created resources
+    (FlashInfer workspaces, compiled kernels) appear, never inside the capture.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(replays):
+        dist.barrier(group=group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000 / calls)
+    del graph
+    return statistics.median(samples)
+
+
+def slowest_rank(values: Sequence[float], group=None) -> list[float]:
+    """Each value's maximum over the group, so every rank decides from the same numbers."""
+    t = torch.tensor(list(values), dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+class Progress:
+    """tqdm when installed, else a one-line text bar; silent off rank 0."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True):
+        self.total, self.done, self.desc, self.enabled = total, 0, desc, enabled
+        self._bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc=desc, file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self, note: str = "") -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(note)
+            self._bar.update(1)
+            return
+        filled = int(30 * self.done / self.total)
+        print(f"\r{self.desc} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {note}",
+              end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ----------------------------------------------------------------- the paths being compared
+
+
+def compiled_add_rms_norm():
+    """Inductor's own add+RMSNorm kernel, compiled once for any token count."""
+    return torch.compile(reference.add_rms_norm, dynamic=True)
+
+
+def unfused_step(x, residual, weight, eps, group, norm_fn):
+    """NCCL all_reduce in place (as a model's row-parallel output is) + compiled add+RMSNorm."""
+    dist.all_reduce(x, group=group)
+    return norm_fn(x, residual, weight, eps, PLAIN_SITE)
+
+
+def fused_step(x, residual, weight, eps, group_name, max_bytes, backend="flashinfer"):
+    return torch.ops.arfusion.fused_allreduce_rmsnorm(
+        x, residual, weight, eps, None, group_name, "rms", "none", None, True, backend, max_bytes)
+
+
+# ----------------------------------------------------------------- deriving the crossover
+
+
+@dataclass
+class Measured:
+    tokens: int
+    unfused_us: float
+    oneshot_us: float
+    twoshot_us: float | None  # None where two-shot cannot run (tokens <= world size)
+
+
+def crossover(rows: Iterable[Measured], world_size: int) -> tuple[int, int]:
+    """(oneshot_max_tokens, max_fused_tokens) from measurements sorted by tokens.
+
+    One-shot runs while it is not slower than two-shot; the fused kernel (with that switch)
+    is used while it is strictly faster than unfused. Both stop at the first token count that
+    breaks the rule, so a later lucky point never re-enables a slower middle range.
+    """
+    rows = sorted(rows, key=lambda r: r.tokens)
+    oneshot_max = 0
+    for r in rows:
+        if r.twoshot_us is None or r.oneshot_us <= r.twoshot_us:
+            oneshot_max = r.tokens
+        else:
+            break
+    max_fused = 0
+    for r in rows:
+        oneshot = r.tokens <= oneshot_max or r.tokens <= world_size or r.twoshot_us is None
+        fused = r.oneshot_us if oneshot else r.twoshot_us
+        if fused < r.unfused_us:
+            max_fused = r.tokens
+        else:
+            break
+    return oneshot_max, max_fused
+
+
+def save_entry(key: str, entry: dict, path: Path) -> None:
+    """Merge one entry into the cache file, written atomically."""
+    from .backends import flashinfer_dispatch as dispatch
+
+    data = {"version": dispatch.CACHE_VERSION, "entries": {}}
+    try:
+        old = json.loads(path.read_text())
+        if old.get("version") == dispatch.CACHE_VERSION:
+            data["entries"].update(old.get("entries", {}))
+    except (OSError, ValueError):
+        pass
+    data["entries"][key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+# ----------------------------------------------------------------- tune
+
+
+def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int] = DEFAULT_TOKENS,
+         group=None, cache: str | os.PathLike | None = None, eps: float = 1e-6, calls: int = 20,
+         replays: int = 30, progress: bool = True) -> dict:
+    """Measure and store the crossover points for this GPU model, group size, hidden and dtype.
+
+    Collective: call on every rank of `group` (default WORLD), each on its own GPU. Returns the
+    cache entry (identical on every rank).
+    """
+    from .backends import flashinfer_dispatch as dispatch
+    from .backends import get_backend
+    from .backends.base import Call
+
+    group = group or dist.group.WORLD
+    group_name, world = group.group_name, group.size()
+    rank = group.rank()
+    device = torch.device("cuda", torch.cuda.current_device())
+    backend = get_backend("flashinfer")
+    if isinstance(backend, str):
+        raise RuntimeError(backend)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    tokens = sorted({t for t in tokens if 1 <= t and t * hidden * itemsize <= dispatch.HARD_MAX_FUSED_BYTES})
+    max_bytes = max(tokens) * hidden * itemsize
+    probe = Call(site=PLAIN_SITE, tokens=max(tokens), hidden=hidden, dtype=dtype, weight_dtype=dtype,
+                 world_size=world, device=device, group_name=group_name)
+    reason = backend.why_not(probe, max_bytes) or backend.prepare(probe, max_bytes)
+    if reason:
+        raise RuntimeError(f"arfusion tune: FlashInfer cannot run here: {reason}")
+
+    norm_fn = compiled_add_rms_norm()
+    weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+    rows: list[Measured] = []
+    bar = Progress(len(tokens), f"tune world={world} hidden={hidden}", enabled=progress and rank == 0)
+    saved_force = backend.force_oneshot
+    try:
+        for t in tokens:
+            x = torch.randn(t, hidden, device=device, dtype=dtype)
+            res = torch.randn(t, hidden, device=device, dtype=dtype)
+            x_unfused = x.clone()  # reduced in place over and over; keep x itself finite
+            times = [time_in_graph(lambda: unfused_step(x_unfused, res, weight, eps, group, norm_fn),
+                                   group, calls, replays)]
+            for force in (True, False):
+                if not force and t <= world:
+                    times.append(float("nan"))
+                    continue
+                backend.force_oneshot = force
+                times.append(time_in_graph(lambda: fused_step(x, res, weight, eps, group_name, max_bytes),
+                                           group, calls, replays))
+            unfused, one, two = slowest_rank(times, group)
+            rows.append(Measured(t, unfused, one, None if two != two else two))
+            bar.update(f"T={t} unfused {unfused:.1f}us one-shot {one:.1f}us"
+                       + ("" if two != two else f" two-shot {two:.1f}us"))
+    finally:
+        backend.force_oneshot = saved_force
+        bar.close()
+
+    oneshot_max, max_fused = crossover(rows, world)
+    gpu = torch.cuda.get_device_name(device)
+    key = dispatch.tuned_key(gpu, world, hidden, dtype)
+    entry = {
+        "max_fused_tokens": max_fused, "oneshot_max_tokens": oneshot_max, "gpu": gpu,
+        "world_size": world, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."),
+        "measured": [asdict(r) for r in rows],
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    path = Path(cache) if cache else dispatch.cache_path()
+    if rank == 0:
+        save_entry(key, entry, path)
+    dist.barrier(group=group)
+    dispatch.forget_cache()
+    return entry
+
+
+def format_rows(entry: dict) -> str:
+    lines = [f"{'tokens':>7} {'unfused us':>11} {'one-shot us':>12} {'two-shot us':>12}  chosen"]
+    for r in entry["measured"]:
+        t = r["tokens"]
+        if t > entry["max_fused_tokens"]:
+            chosen = "unfused"
+        elif t <= entry["oneshot_max_tokens"] or r["twoshot_us"] is None:
+            chosen = "fused one-shot"
+        else:
+            chosen = "fused two-shot"
+        two = "-" if r["twoshot_us"] is None else f"{r['twoshot_us']:.1f}"
+        lines.append(f"{t:>7} {r['unfused_us']:>11.1f} {r['oneshot_us']:>12.1f} {two:>12}  {chosen}")
+    lines.append(f"fuse up to {entry['max_fused_tokens']} tokens; one-shot up to "
+                 f"{entry['oneshot_max_tokens']} tokens")
+    return "\n".join(lines)

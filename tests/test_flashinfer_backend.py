@@ -1,0 +1,351 @@
+"""FlashInfer backend logic on CPU, with a stand-in for flashinfer (no GPU, no FlashInfer).
+
+Covers: dispatch-table lookups at their boundaries, the tuned cache, every guard, the
+crossover derivation of `arfusion tune`, and (in two gloo processes) the workspace lifecycle:
+collective agreement, reuse, growth, failure on one rank, capture without a workspace, and
+the arguments handed to FlashInfer (backend "trtllm" only, zero residual, Gemma bias, ...).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import sys
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from arfusion import reference, tuning
+from arfusion.backends import flashinfer as fi
+from arfusion.backends import flashinfer_dispatch as dispatch
+from arfusion.backends.base import Call, Capabilities, Site
+
+MiB = dispatch.MiB
+H200 = fi.DeviceFacts((9, 0), "NVIDIA H200", "GPU-fake-0")
+CUDA = torch.device("cuda", 0)
+PLAIN = Site(residual=True, norm="rms")
+
+
+# ----------------------------------------------------------------- stand-in for flashinfer
+
+
+class FakeWorkspace:
+    def __init__(self, world_size, rank, max_token_num, hidden_dim, dtype, group):
+        self.world_size, self.rank, self.group = world_size, rank, group
+        self.max_token_num, self.hidden_dim, self.dtype = max_token_num, hidden_dim, dtype
+        self.destroyed = False
+
+    def is_buffer_size_sufficient(self, tp_size, num_tokens, hidden_dim, dtype):
+        return (tp_size == self.world_size and num_tokens * hidden_dim <= self.max_token_num * self.hidden_dim
+                and (dtype == torch.float32) == (self.dtype == torch.float32))
+
+    def destroy(self):
+        self.destroyed = True
+
+
+def install_fake_flashinfer():
+    """Register `flashinfer`, `flashinfer.comm`, `flashinfer.comm.trtllm_ar`; return the call log
+    (its "fail_build" / "fail_create" entries inject failures)."""
+    calls = {"create": [], "fusion": [], "build": 0, "fail_build": False, "fail_create": False}
+
+    def module(name):
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        sys.modules[name] = m
+        return m
+
+    root, comm, trtllm = module("flashinfer"), module("flashinfer.comm"), module("flashinfer.comm.trtllm_ar")
+    root.comm, comm.trtllm_ar = comm, trtllm
+
+    def get_trtllm_comm_module():
+        calls["build"] += 1
+        if calls["fail_build"]:
+            raise RuntimeError("nvcc exploded")
+        return object()
+
+    def create_allreduce_fusion_workspace(**kw):
+        calls["create"].append({k: (v.group_name if k == "group" else v) for k, v in kw.items()})
+        if calls["fail_create"]:
+            raise RuntimeError("cuMemCreate failed")
+        return FakeWorkspace(kw["world_size"], kw["rank"], kw["max_token_num"], kw["hidden_dim"],
+                             kw["dtype"], kw["group"])
+
+    def allreduce_fusion(*, input, workspace, pattern, residual_in, residual_out, norm_out, rms_gamma,
+                         rms_eps, use_oneshot, fp32_acc, weight_bias, launch_with_pdl,
+                         trigger_completion_at_end, **rest):
+        calls["fusion"].append(dict(pattern=pattern, use_oneshot=use_oneshot, fp32_acc=fp32_acc,
+                                    weight_bias=weight_bias, rms_eps=rms_eps, pdl=launch_with_pdl,
+                                    trigger_at_end=trigger_completion_at_end, tokens=input.shape[0],
+                                    residual_all_zero=bool((residual_in == 0).all()), **rest))
+        assert input.dim() == 2 and input.is_contiguous() and residual_in is not None
+        assert isinstance(use_oneshot, bool) and (use_oneshot or input.shape[0] > workspace.world_size)
+        assert workspace.is_buffer_size_sufficient(workspace.world_size, *input.shape, input.dtype)
+        assert rms_gamma.dtype == input.dtype
+        summed = input.float()
+        dist.all_reduce(summed, group=workspace.group)
+        h = (summed + residual_in.float()).to(input.dtype)
+        residual_out.copy_(h)
+        norm_out.copy_((reference.rms_normalize(h, rms_eps) * (rms_gamma.float() + weight_bias)).to(input.dtype))
+        return norm_out
+
+    comm.AllReduceFusionPattern = types.SimpleNamespace(kARResidualRMSNorm=1)
+    comm.create_allreduce_fusion_workspace = create_allreduce_fusion_workspace
+    comm.allreduce_fusion = allreduce_fusion
+    trtllm.get_trtllm_comm_module = get_trtllm_comm_module
+    return calls
+
+
+def remove_fake_flashinfer():
+    for name in ("flashinfer.comm.trtllm_ar", "flashinfer.comm", "flashinfer"):
+        sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def backend(monkeypatch, tmp_path):
+    """A fresh backend on a pretend H200, with no tuned cache and FlashInfer "installed"."""
+    monkeypatch.setenv(dispatch.CACHE_ENV, str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(fi, "device_facts", lambda index: H200)
+    install_fake_flashinfer()
+    for cached in (fi._environment_problem, dispatch.limits_for, dispatch._read_cache):
+        cached.cache_clear()
+    yield fi.FlashInferBackend()
+    remove_fake_flashinfer()
+    for cached in (fi._environment_problem, dispatch.limits_for, dispatch._read_cache):
+        cached.cache_clear()
+
+
+def call(tokens, hidden=4096, world=4, dtype=torch.bfloat16, weight_dtype=None, site=PLAIN, device=CUDA):
+    return Call(site=site, tokens=tokens, hidden=hidden, dtype=dtype, weight_dtype=weight_dtype or dtype,
+                world_size=world, device=device, group_name="tp")
+
+
+# ----------------------------------------------------------------- table lookups
+
+
+@pytest.mark.parametrize("world,hidden,last_fused", [(2, 4096, 8192), (4, 4096, 256), (8, 4096, 64),
+                                                     (4, 8192, 128), (2, 8192, 4096)])
+def test_largest_fused_size_is_inclusive(backend, world, hidden, last_fused):
+    assert backend.why_not(call(last_fused, hidden, world)) is None
+    assert "bytes per rank >" in backend.why_not(call(last_fused + 1, hidden, world))
+
+
+@pytest.mark.parametrize("world,hidden,last_oneshot", [(2, 4096, 4096), (4, 4096, 256), (8, 8192, 32)])
+def test_oneshot_switch_is_inclusive(backend, world, hidden, last_oneshot):
+    assert backend.use_oneshot(call(last_oneshot, hidden, world))
+    assert not backend.use_oneshot(call(last_oneshot + 1, hidden, world))
+
+
+def test_twoshot_never_chosen_for_tokens_up_to_world_size(backend, monkeypatch):
+    no_oneshot = dispatch.Limits(64 * MiB, 0, "test")
+    monkeypatch.setattr(backend, "limits", lambda c: no_oneshot)
+    assert backend.use_oneshot(call(4, world=4)) and not backend.use_oneshot(call(5, world=4))
+    backend.force_oneshot = False
+    assert backend.use_oneshot(call(4, world=4)) and not backend.use_oneshot(call(5, world=4))
+
+
+def test_both_16bit_dtypes_share_the_table_and_sm100_has_its_own(backend, monkeypatch):
+    assert backend.why_not(call(256, dtype=torch.float16)) is None
+    monkeypatch.setattr(fi, "device_facts", lambda index: fi.DeviceFacts((10, 0), "NVIDIA B200", "u"))
+    fi._environment_problem.cache_clear()
+    assert backend.why_not(call(4096, world=4)) is None  # 32 MiB on SM100 at world 4
+    assert "> cap" in backend.why_not(call(4097, world=4))
+
+
+def test_world_16_needs_a_tuned_entry(backend):
+    assert "no dispatch entry" in backend.why_not(call(8, world=16))
+    assert backend.why_not(call(8, world=16), max_bytes_override=MiB) is None  # user's own cap
+
+
+def test_user_cap_overrides_the_table_but_not_the_hard_limit(backend):
+    assert backend.why_not(call(1024, world=4), max_bytes_override=8 * MiB) is None
+    assert "> cap" in backend.why_not(call(2, world=2), max_bytes_override=0)
+    assert "largest FlashInfer workspace" in backend.why_not(call(8192, 8192, 2), max_bytes_override=1 << 40)
+
+
+def test_unknown_token_count_is_left_to_run_time(backend):
+    assert backend.why_not(call(None)) is None
+
+
+def test_tuned_cache_wins_and_changes_the_fingerprint(backend):
+    before = backend.fingerprint()
+    key = dispatch.tuned_key("NVIDIA H200", 4, 4096, torch.bfloat16)
+    tuning.save_entry(key, {"max_fused_tokens": 128, "oneshot_max_tokens": 32}, dispatch.cache_path())
+    dispatch.forget_cache()
+    assert backend.why_not(call(128)) is None and "> cap" in backend.why_not(call(129))
+    assert backend.use_oneshot(call(32)) and not backend.use_oneshot(call(33))
+    assert backend.why_not(call(256, hidden=2048)) is None  # other hidden: seed table (1 MiB)
+    assert backend.fingerprint() != before and dispatch.cache_hash()
+
+
+def test_unreadable_or_foreign_cache_is_ignored(backend):
+    dispatch.cache_path().write_text("{not json")
+    dispatch.forget_cache()
+    assert dispatch.tuned_entries() == {} and backend.why_not(call(256)) is None
+    dispatch.cache_path().write_text(json.dumps({"version": 999, "entries": {"x": {}}}))
+    dispatch.forget_cache()
+    assert dispatch.tuned_entries() == {}
+
+
+# ----------------------------------------------------------------- guards
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(weight_dtype=torch.float32), "weight dtype"),
+    (dict(hidden=4100), "multiple of 8"),
+    (dict(world=3), "world size 3"),
+    (dict(world=6), "world size 6"),
+    (dict(world=1), "world size 1"),
+    (dict(dtype=torch.float32), "not supported"),
+    (dict(device=torch.device("cpu")), "device cpu"),
+])
+def test_guards_decline_with_a_reason(backend, change, needle):
+    assert needle in backend.why_not(call(8, **change))
+
+
+def test_flashinfer_missing(backend):
+    remove_fake_flashinfer()
+    assert "not installed" in backend.why_not(call(8))
+
+
+def test_unsupported_sm(backend, monkeypatch):
+    monkeypatch.setattr(fi, "device_facts", lambda index: fi.DeviceFacts((8, 0), "NVIDIA A100", "u"))
+    assert "not supported" in backend.why_not(call(8))
+
+
+def test_rocm_build_is_not_ours(backend, monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert "NVIDIA" in backend.why_not(call(8))
+
+
+def test_capture_without_workspace_declines(backend, monkeypatch):
+    monkeypatch.setattr(fi, "_capturing", lambda: True)
+    assert "capture" in backend.prepare(call(8))
+
+
+def test_no_forbidden_flashinfer_backends_in_source():
+    source = Path(fi.__file__).read_text()
+    assert 'FI_BACKEND = "trtllm"' in source and "backend=FI_BACKEND" in source
+    for forbidden in ('backend="auto"', 'backend="mnnvl"', "multimem", "cuMulticastCreate"):
+        assert forbidden not in source
+
+
+# ----------------------------------------------------------------- tune's crossover
+
+
+def test_crossover_stops_at_the_first_loss():
+    M = tuning.Measured
+    rows = [M(1, 10, 5, None), M(2, 10, 5, None), M(8, 11, 6, 7), M(64, 15, 9, 8), M(128, 20, 14, 12),
+            M(256, 30, 33, 31), M(512, 45, 60, 40)]  # two-shot wins again at 512: not re-enabled
+    assert tuning.crossover(rows, world_size=4) == (8, 128)
+
+
+def test_crossover_never_fuses_when_unfused_always_wins():
+    rows = [tuning.Measured(t, 5, 6, 7) for t in (1, 8, 64)]
+    assert tuning.crossover(rows, world_size=2)[1] == 0
+
+
+# ----------------------------------------------------------------- workspace lifecycle, 2 ranks
+
+
+def _worker(rank, world, init_file, out_dir):
+    calls = install_fake_flashinfer()
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    fi.device_facts = lambda index: replace(H200, uuid=f"GPU-fake-{rank}")
+    fi._device_index = lambda device: 0
+    import arfusion
+    from arfusion.backends import get_backend
+
+    backend = get_backend("flashinfer")
+    # Let the real op run this backend on CPU tensors.
+    backend.capabilities = replace(backend.capabilities, device_types=frozenset({"cpu"}))
+    backend.unavailable = lambda device: None
+    results = {}
+
+    def scenario(name, group):
+        for key in ("create", "fusion"):
+            calls[key].clear()
+        calls["fail_build"] = name == "fail_build" and rank == 1
+        calls["fail_create"] = name == "fail_create" and rank == 1
+        arfusion.reset_stats()
+        result = results[name] = {"errors": []}
+        small = 1024 * 64 * 2  # a user cap of 1024 tokens at hidden 64: the first workspace's size
+
+        def check(tokens, residual=True, norm="rms", max_bytes=small if name == "ok" else -1):
+            torch.manual_seed(100 + rank + tokens)
+            x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+            res = torch.randn(tokens, 64, dtype=torch.bfloat16) if residual else None
+            w = (0.1 * torch.randn(64)).to(torch.bfloat16)
+            got = torch.ops.arfusion.fused_allreduce_rmsnorm(
+                x, res, w, 1e-6, None, group.group_name, norm, "none", None, True, "flashinfer", max_bytes)
+            want = reference.unfused(x, res, w, 1e-6, group.group_name, Site(residual=residual, norm=norm))
+            for g, r in zip(got, want):
+                if not torch.allclose(g.float(), r.float(), atol=0.05, rtol=0.02):
+                    result["errors"].append(f"T={tokens}: max diff {(g.float() - r.float()).abs().max().item()}")
+
+        check(8)
+        if name == "ok":
+            check(3, residual=False)  # zero residual, same workspace
+            check(40, norm="gemma_rms")
+            backend.force_oneshot = False
+            check(2)  # two-shot needs tokens > world size: stays one-shot
+            check(100)  # two-shot
+            backend.force_oneshot = None
+            check(4096, max_bytes=4096 * 64 * 2)  # outgrows the workspace: a second, larger one
+            result["retired"] = len(backend._groups[group.group_name].retired)
+        result.update(creates=list(calls["create"]), fusion=list(calls["fusion"]),
+                      dispatch=arfusion.stats()["dispatch"], group=group.group_name)
+
+    scenario("ok", dist.group.WORLD)
+    # Fresh groups over the same ranks: each gets its own workspace negotiation.
+    scenario("fail_build", dist.new_group([0, 1]))
+    scenario("fail_create", dist.new_group([0, 1]))
+    backend.close()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, default=str))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    """One pair of gloo processes runs every scenario (starting processes is the slow part)."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(_worker, args=(2, str(tmp / "init"), str(tmp)), nprocs=2, join=True)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_workspace_created_once_per_group_reused_and_grown(two_rank_results):
+    for rank, results in enumerate(two_rank_results):
+        result = results["ok"]
+        assert result["errors"] == []
+        creates = result["creates"]
+        assert [c["backend"] for c in creates] == ["trtllm", "trtllm"]  # never "auto" / "mnnvl"
+        assert all(c["group"] == "0" and c["world_size"] == 2 and c["rank"] == rank
+                   and c["hidden_dim"] == 64 for c in creates)
+        assert [c["max_token_num"] for c in creates] == [1024, 4096]
+        assert result["retired"] == 1  # kept alive: captured graphs may still point into it
+        fusion = {f["tokens"]: f for f in result["fusion"]}
+        assert all(f["pattern"] == 1 and f["fp32_acc"] is True and f["rms_eps"] == 1e-6
+                   and f["trigger_at_end"] is True for f in fusion.values())
+        assert fusion[40]["weight_bias"] == 1.0 and fusion[8]["weight_bias"] == 0.0
+        assert fusion[3]["residual_all_zero"]
+        assert fusion[2]["use_oneshot"] and not fusion[100]["use_oneshot"] and fusion[8]["use_oneshot"]
+        assert result["dispatch"] == {"flashinfer": 6}
+
+
+@pytest.mark.parametrize("name", ["fail_build", "fail_create"])
+def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
+    results = [r[name] for r in two_rank_results]
+    for result in results:
+        assert result["errors"] == []  # the unfused fallback still computed the right answer
+        assert result["dispatch"] == {"fallback": 1}
+        assert result["fusion"] == []
+        assert result["group"] != "0"
+    if name == "fail_build":
+        assert all(r["creates"] == [] for r in results)  # agreement came before creation
+    else:
+        assert len(results[0]["creates"]) == 1  # rank 0 created, then dropped it with everyone
