@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.machinery
 import json
-import os
 import sys
 import types
 from dataclasses import replace
@@ -24,7 +23,7 @@ import torch.multiprocessing as mp
 from arfusion import reference, tuning
 from arfusion.backends import flashinfer as fi
 from arfusion.backends import flashinfer_dispatch as dispatch
-from arfusion.backends.base import Call, Capabilities, Site
+from arfusion.backends.base import Call, Site
 
 MiB = dispatch.MiB
 H200 = fi.DeviceFacts((9, 0), "NVIDIA H200", "GPU-fake-0")

@@ -263,14 +263,25 @@ class FlashInferBackend(Backend):
         return None if state is None else state.workspace
 
     def close(self) -> None:
-        """Free every workspace. Called at exit; call it earlier to free memory sooner."""
+        """Free every workspace. Called at exit; call it earlier (on every rank, after the last
+        fused call) to free the memory sooner."""
+        if not any(s.workspace is not None for s in self._groups.values()):
+            return
+        try:
+            torch.cuda.synchronize()
+            release = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_destroy_ipc_workspace_for_all_reduce_fusion
+        except Exception:  # interpreter shutdown may have torn CUDA or the module down already
+            release = None
         for state in self._groups.values():
             for ws in [state.workspace, *state.retired]:
-                if ws is not None:
-                    try:
-                        ws.destroy()
-                    except Exception:  # interpreter shutdown may have torn CUDA down already
-                        pass
+                if ws is None:
+                    continue
+                try:
+                    if release is not None:
+                        release(ws.ipc_handles)  # drops FlashInfer's own reference to the memory
+                    ws.destroy()
+                except Exception:
+                    pass
         self._groups.clear()
 
 

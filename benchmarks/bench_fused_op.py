@@ -1,0 +1,246 @@
+"""All-reduce + residual add + RMSNorm: unfused vs arfusion vs FlashInfer, inside CUDA graphs.
+
+    torchrun --nproc-per-node 4 benchmarks/bench_fused_op.py --out results/   # one world size
+    python benchmarks/bench_fused_op.py --plot results/bench_w2.json results/bench_w4.json --png bench.png
+
+Per token count (hidden 4096 and 8192, bf16), median microseconds per call, each call one of
+20 captured in a CUDA graph, median over 30 replays (rank 0's clock, ranks aligned by a barrier):
+  a   NCCL all_reduce (on a copy of the input) + torch.compile'd add+RMSNorm: the probe's
+      "unfused_compile" and what Inductor runs for an input it may not overwrite
+  a0  NCCL all_reduce in place + the same compiled norm (a model's row-parallel output: no copy)
+  b   arfusion as a user gets it: the function compiled with the pass (static shapes), so each
+      size is fused or left to Inductor by the dispatch table
+  c   arfusion's op with FlashInfer forced at every size (up to 64 MiB per rank)
+With --variants, FlashInfer forced one-shot / two-shot at every size, and for T <= 512 with
+PDL off, fp32 accumulation off, and both off (how the probe calls FlashInfer directly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192)
+EPS = 1e-6
+
+
+def hf_rms_norm(h, weight):
+    hf = h.float()
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
+
+
+def add_norm(y, residual, weight):
+    h = residual + y
+    return hf_rms_norm(h, weight), h
+
+
+def make_model_fn(group_name):
+    from arfusion.reference import all_reduce_sum
+
+    def layer_boundary(x, residual, weight):  # how a decoder layer ends, as the graph sees it
+        h = residual + all_reduce_sum(x, group_name)
+        return hf_rms_norm(h, weight), h
+
+    return layer_boundary
+
+
+@contextmanager
+def knobs(backend, **values):
+    saved = {k: getattr(backend, k) for k in values}
+    for k, v in values.items():
+        setattr(backend, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(backend, k, v)
+
+
+def rel_err(got, want):
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def run(args):
+    import arfusion
+    from arfusion import reference, tuning
+    from arfusion.backends import flashinfer_dispatch as dispatch
+    from arfusion.backends import get_backend
+    from arfusion.backends.base import Call, Site
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 8192
+    torch._inductor.config.fx_graph_cache = False
+    say = print if rank == 0 else (lambda *a, **k: None)
+    group, gname = dist.group.WORLD, dist.group.WORLD.group_name
+    backend = get_backend("flashinfer")
+    site = Site(residual=True, norm="rms")
+    say(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, world {world}, "
+        f"calls/graph {args.calls}, replays {args.replays}", flush=True)
+
+    norm_a = torch.compile(add_norm, dynamic=False)
+    model_b = torch.compile(make_model_fn(gname), dynamic=False, options=arfusion.inductor_options(
+        arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto")))
+
+    def timed(fn):
+        return tuning.time_in_graph(fn, group, args.calls, args.replays)
+
+    rows, started = [], time.time()
+    for hidden in args.hidden:
+        g = torch.Generator(device=device)
+        g.manual_seed(17)
+        weight = (1 + 0.1 * torch.randn(hidden, device=device, generator=g)).to(torch.bfloat16)
+        tokens = [t for t in args.tokens if hidden < 8192 or t in args.tokens_8192]
+        for t in tokens:
+            nbytes = t * hidden * 2
+            g.manual_seed(1000 + rank)
+            x = torch.randn(t, hidden, device=device, dtype=torch.bfloat16, generator=g)
+            g.manual_seed(2000)
+            res = torch.randn(t, hidden, device=device, dtype=torch.bfloat16, generator=g)
+            x_inplace = x.clone()
+            row = {"world": world, "hidden": hidden, "tokens": t, "bytes_per_rank": nbytes}
+
+            def unfused_copy():
+                y = x.clone()
+                dist.all_reduce(y, group=group)
+                return norm_a(y, res, weight)
+
+            def unfused_inplace():
+                dist.all_reduce(x_inplace, group=group)
+                return norm_a(x_inplace, res, weight)
+
+            row["a_us"] = timed(unfused_copy)
+            row["a0_us"] = timed(unfused_inplace)
+
+            call = Call(site=site, tokens=t, hidden=hidden, dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+                        world_size=world, device=device, group_name=gname)
+            reason = backend.why_not(call) if not isinstance(backend, str) else backend
+            row["b_path"] = ("fused one-shot" if backend.use_oneshot(call) else "fused two-shot") if reason is None else "unfused"
+            before = arfusion.stats()
+            row["b_us"] = timed(lambda: model_b(x, res, weight))
+            after = arfusion.stats()
+            row["b_dispatch"] = {k: v - before["dispatch"].get(k, 0) for k, v in after["dispatch"].items()
+                                 if v != before["dispatch"].get(k, 0)}
+            want = reference.unfused(x, res, weight, EPS, gname, site)
+            row["b_err"] = rel_err(model_b(x, res, weight)[0], want[1])
+
+            if nbytes <= dispatch.HARD_MAX_FUSED_BYTES and not isinstance(backend, str):
+                forced = lambda: tuning.fused_step(x, res, weight, EPS, gname, dispatch.HARD_MAX_FUSED_BYTES)
+                row["c_us"] = timed(forced)
+                row["c_err"] = rel_err(forced()[1], want[1])
+                if args.variants:
+                    with knobs(backend, force_oneshot=True):
+                        row["fi_1shot_us"] = timed(forced)
+                    if t > world:
+                        with knobs(backend, force_oneshot=False):
+                            row["fi_2shot_us"] = timed(forced)
+                    if t <= 512:
+                        for name, kw in (("nopdl", dict(launch_with_pdl=False)),
+                                         ("nofp32acc", dict(fp32_acc=False)),
+                                         ("probe_like", dict(launch_with_pdl=False, fp32_acc=False))):
+                            for shot, oneshot in (("1shot", True), ("2shot", False)):
+                                if oneshot or t > world:
+                                    with knobs(backend, force_oneshot=oneshot, **kw):
+                                        row[f"fi_{shot}_{name}_us"] = timed(forced)
+            rows.append(row)
+            say(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    dist.barrier()
+    if not isinstance(backend, str):
+        backend.close()
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"bench_w{world}.json")
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": world,
+                "calls_per_graph": args.calls, "replays": args.replays, "seconds": round(time.time() - started)}
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(format_table(rows))
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def format_table(rows):
+    head = (f"{'world':>5} {'hidden':>6} {'T':>5} {'MiB':>6} {'a us':>7} {'a0 us':>7} {'b us':>7} "
+            f"{'c us':>7} {'a/b':>6} {'a0/b':>6} {'a/c':>6} {'1shot':>7} {'2shot':>7}  b path")
+    lines = [head]
+    for r in rows:
+        def us(key):
+            return f"{r[key]:7.1f}" if key in r else f"{'-':>7}"
+
+        def ratio(num, den):
+            return f"{r[num] / r[den]:5.2f}x" if num in r and den in r else f"{'-':>6}"
+
+        lines.append(f"{r['world']:>5} {r['hidden']:>6} {r['tokens']:>5} {r['bytes_per_rank'] / 2**20:6.2f} "
+                     f"{us('a_us')} {us('a0_us')} {us('b_us')} {us('c_us')} {ratio('a_us', 'b_us')} "
+                     f"{ratio('a0_us', 'b_us')} {ratio('a_us', 'c_us')} {us('fi_1shot_us')} {us('fi_2shot_us')}  "
+                     f"{r['b_path']}")
+    return "\n".join(lines)
+
+
+def plot(paths, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = [json.load(open(p)) for p in paths]
+    fig, axes = plt.subplots(len(data), 2, figsize=(13, 4.2 * len(data)), squeeze=False)
+    for (ax_us, ax_x), d in zip(axes, data):
+        world = d["meta"]["world"]
+        for hidden, style in ((4096, "-"), (8192, "--")):
+            rows = [r for r in d["rows"] if r["hidden"] == hidden]
+            if not rows:
+                continue
+            for key, label, color in (("a_us", "(a) NCCL + compiled norm", "tab:gray"),
+                                      ("a0_us", "(a0) same, in place", "tab:brown"),
+                                      ("b_us", "(b) arfusion as dispatched", "tab:blue"),
+                                      ("c_us", "(c) FlashInfer forced", "tab:orange")):
+                pts = [(r["tokens"], r[key]) for r in rows if key in r]
+                ax_us.plot(*zip(*pts), style, marker=".", color=color, label=f"{label}, H={hidden}")
+            for key, label, color in (("b_us", "(b) arfusion", "tab:blue"), ("c_us", "(c) FlashInfer forced", "tab:orange")):
+                pts = [(r["tokens"], r["a_us"] / r[key]) for r in rows if key in r]
+                ax_x.plot(*zip(*pts), style, marker=".", color=color, label=f"{label}, H={hidden}")
+        ax_us.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us per call (CUDA graph)",
+                  title=f"{d['meta']['device']}, TP={world}, bf16")
+        ax_x.axhline(1.0, color="black", lw=0.8)
+        ax_x.axhline(0.97, color="red", lw=0.8, ls=":")
+        ax_x.set(xscale="log", xlabel="tokens", ylabel="speedup vs (a)", title=f"TP={world}: (a) / variant")
+        ax_us.legend(fontsize=6)
+        ax_x.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--tokens-8192", type=int, nargs="+", default=[1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 8192],
+                   help="token counts measured at hidden >= 8192")
+    p.add_argument("--variants", action="store_true", help="also FlashInfer one-/two-shot, PDL, fp32-acc variants")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--plot", nargs="+", help="bench_w*.json files to plot instead of measuring")
+    p.add_argument("--png", default="bench_fused_op.png")
+    args = p.parse_args()
+    if args.plot:
+        plot(args.plot, args.png)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

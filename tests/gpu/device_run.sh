@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Stages of a GPU session, each under its own time limit so one hang cannot eat the rest.
+# On the GPU machine, from the repository root:
+#   source .device/setup.sh && bash tests/gpu/device_run.sh sweep4 checks2 checks4 sweep2
+# Results land in $OUT (JSON per stage); the log is whatever the caller tees.
+set -u
+OUT="${OUT:-/tmp/arfusion-out}"
+mkdir -p "$OUT"
+export OUT
+
+stage() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local start=$SECONDS
+  timeout -k 10 "$limit" "$@"
+  echo "=== $name rc=$? after $((SECONDS - start))s"
+}
+
+TORCHRUN="python -m torch.distributed.run --nproc-per-node"
+GPU_TESTS=tests/gpu/test_gpu_flashinfer.py
+
+for s in "$@"; do
+  case "$s" in
+    env) stage env 60 bash -c 'nvidia-smi -L; nvidia-smi topo -m | head -8; python -c "import torch, time; t=time.time(); import flashinfer.comm; print(\"torch\", torch.__version__, \"flashinfer import\", round(time.time()-t,1), \"s\")"' ;;
+    checks2) stage checks2 "${LIMIT:-120}" python -m pytest -q -s -x "$GPU_TESTS::test_fused_op_matches_reference_on_gpus[2]" ;;
+    checks4) stage checks4 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_fused_op_matches_reference_on_gpus[4]" ;;
+    hf2) stage hf2 "${LIMIT:-100}" python -m pytest -q -s -x "$GPU_TESTS::test_hf_example_runs_fused_on_two_gpus" ;;
+    sweep2) stage sweep2 "${LIMIT:-150}" $TORCHRUN 2 benchmarks/bench_fused_op.py --hidden 4096 --variants --out "$OUT/sweep" ;;
+    sweep4) stage sweep4 "${LIMIT:-150}" $TORCHRUN 4 benchmarks/bench_fused_op.py --hidden 4096 --variants --out "$OUT/sweep" ;;
+    bench2) stage bench2 "${LIMIT:-140}" $TORCHRUN 2 benchmarks/bench_fused_op.py --out "$OUT" ;;
+    bench4) stage bench4 "${LIMIT:-140}" $TORCHRUN 4 benchmarks/bench_fused_op.py --out "$OUT" ;;
+    probe2) stage probe2 "${LIMIT:-90}" $TORCHRUN 2 .device/probe_flashinfer_direct.py ;;
+    probe4) stage probe4 "${LIMIT:-90}" $TORCHRUN 4 .device/probe_flashinfer_direct.py ;;
+    tune4) stage tune4 "${LIMIT:-70}" $TORCHRUN 4 -m arfusion.cli tune --hidden 4096 --tokens 1,8,32,64,128,192,256,384,512 --cache "$OUT/tuning.json" ;;
+    plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
