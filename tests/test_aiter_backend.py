@@ -1,0 +1,584 @@
+"""The aiter backend's decisions, fallback chain, detection and aiter argument contract, on CPU.
+
+This verifies arfusion's side only: which aiter call is made, with which arguments, and what
+is done with the result. aiter itself is replaced by tests/fake_aiter.py, a stand-in written
+from aiter's documented signatures (0.1.7, an intermediate commit, and main) that computes
+with arfusion's reference math. Nothing here has run on ROCm hardware or any aiter kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+import arfusion.ops
+from arfusion import quant, reference
+from arfusion.backends import aiter as ab
+from arfusion.backends import get_backend, resolve
+from arfusion.backends.base import Call, Site
+
+from .fake_aiter import V017, V_MAIN, V_STAGE, FakeAiter, fake_quantize
+
+KIB, MIB = 1024, 1024 * 1024
+BF16 = torch.bfloat16
+CUDA = torch.device("cuda", 0)
+GROUP = "tp0"
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    ab.detect.cache_clear()
+    ab._reference_layout.cache_clear()
+    ab._gloo_groups.clear()
+    arfusion.ops._logged.clear()
+    yield
+    ab.detect.cache_clear()
+    ab._reference_layout.cache_clear()
+
+
+class _BlockAiterImports(importlib.abc.MetaPathFinder):
+    """Fails any attempt to import aiter (or what its failed import leaves behind)."""
+
+    def __init__(self, error=ImportError):
+        self.error = error
+        self.attempts: list[str] = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "aiter":
+            self.attempts.append(name)
+            raise self.error(f"blocked import of {name}")
+        return None
+
+
+def _aiter_modules() -> list[str]:
+    """aiter, or the generic modules its failed import leaves behind (FIELD_NOTES §4)."""
+    left_behind = ("aiter", "chip_info", "cpp_extension", "torch_guard", "file_baton")
+    return [m for m in sys.modules if m.split(".")[0] in left_behind]
+
+
+@pytest.fixture
+def block_aiter(monkeypatch):
+    assert _aiter_modules() == []  # `import arfusion` (at collection) loaded none of it
+    blocker = _BlockAiterImports()
+    monkeypatch.setattr(sys, "meta_path", [blocker, *sys.meta_path])
+    return blocker
+
+
+def simulate_rocm(monkeypatch, arch: str = "gfx942", fake: FakeAiter | None = None) -> FakeAiter:
+    """A ROCm torch build with one GPU of `arch` and (fake) aiter installed."""
+    fake = fake or FakeAiter(fp8=ab.LIMITS.fp8_dtypes.get(arch, torch.float8_e4m3fn))
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    props = types.SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fake.install(monkeypatch)
+    return fake
+
+
+@pytest.fixture
+def rocm_env(monkeypatch):
+    """simulate_rocm plus a fake all-reduce and reference quant, so runs compute on the CPU."""
+
+    def setup(arch="gfx950", version=V_MAIN, **fake_kwargs):
+        fake = FakeAiter(version=version, fp8=ab.LIMITS.fp8_dtypes[arch], **fake_kwargs)
+        simulate_rocm(monkeypatch, arch, fake)
+        monkeypatch.setattr(reference, "all_reduce_sum", lambda x, group: fake.reduce(x))
+        monkeypatch.setattr(quant, "quantize",
+                            lambda normed, form, scale: fake_quantize(normed, form, scale, fake.fp8))
+        monkeypatch.setattr(ab, "_resolve_group", lambda name: f"pg:{name}")
+        monkeypatch.setattr(ab, "gloo_twin", lambda group: f"gloo:{group}")
+        monkeypatch.setattr(ab, "_capturing", lambda: False)
+        return fake
+
+    return setup
+
+
+def call(tokens=4, hidden=4096, world_size=2, dtype=BF16, weight_dtype=None, residual=True,
+         norm="rms", quant_form="none", emit_norm=True) -> Call:
+    site = Site(residual=residual, norm=norm, quant=quant_form, emit_norm=emit_norm)
+    return Call(site=site, tokens=tokens, hidden=hidden, dtype=dtype,
+                weight_dtype=weight_dtype or dtype, world_size=world_size, device=CUDA,
+                group_name=GROUP)
+
+
+def inputs(c: Call, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(c.tokens, c.hidden, generator=g).to(c.dtype)
+    residual = torch.randn(c.tokens, c.hidden, generator=g).to(c.dtype) if c.site.residual else None
+    weight = (1 + 0.1 * torch.randn(c.hidden, generator=g)).to(c.weight_dtype)
+    scale = torch.tensor(0.05) if c.site.quant == "fp8_static" else None
+    return x, residual, weight, 1e-6, scale
+
+
+def run_and_expect(backend, c: Call, seed=0):
+    """Run the backend; assert its outputs equal the unfused reference, name by name."""
+    x, residual, weight, eps, scale = inputs(c, seed)
+    outs = backend.run(c, x, residual, weight, eps, scale)
+    expected = reference.unfused(x, residual, weight, eps, GROUP, c.site, scale)
+    assert len(outs) == len(c.site.outputs())
+    for name, got, want in zip(c.site.outputs(), outs, expected):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.float(), want.float()), name
+    return outs
+
+
+def found_for(arch="gfx950", version=V_MAIN, fp8=None) -> ab.Detected:
+    fake = FakeAiter(version=version, fp8=fp8 or ab.LIMITS.fp8_dtypes[arch])
+    mod = fake.modules()[ab.CUSTOM_AR_MODULE]
+    return ab.Detected(arch=arch, api=ab.describe_api(mod, version, fake.fp8), custom_ar=mod)
+
+
+# ---------------------------------------------------------------- detection
+
+
+def test_this_machine_never_imports_aiter(block_aiter):
+    backend = get_backend("aiter")
+    assert "torch.version.hip is None" in backend.unavailable(CUDA)
+    assert resolve("auto", CUDA)[0] is None or resolve("auto", CUDA)[0].name != "aiter"
+    assert resolve("aiter", CUDA)[0] is None
+    backend.fingerprint()
+    assert "torch.version.hip is None" in backend.prepare(call())
+    assert block_aiter.attempts == [] and _aiter_modules() == []
+
+
+def test_detection_stops_when_package_missing(monkeypatch, block_aiter):
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert ab.AiterBackend().unavailable(CUDA) == "aiter is not installed"
+    assert block_aiter.attempts == []
+
+
+@pytest.mark.parametrize("arch", ["gfx90a", "gfx1100", "gfx1250", ""])
+def test_detection_stops_on_unsupported_arch(monkeypatch, block_aiter, arch):
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: importlib.machinery.ModuleSpec(name, None))
+    props = types.SimpleNamespace(gcnArchName=arch)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+    assert "is not one of ['gfx942', 'gfx950']" in ab.AiterBackend().unavailable(CUDA)
+    assert block_aiter.attempts == []
+
+
+def test_detection_survives_a_failing_import(monkeypatch, block_aiter):
+    block_aiter.error = RuntimeError  # what `import aiter` raises on a non-ROCm torch
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: importlib.machinery.ModuleSpec(name, None))
+    props = types.SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+    reason = ab.AiterBackend().unavailable(CUDA)
+    assert reason.startswith("import aiter failed: RuntimeError")
+    assert block_aiter.attempts == ["aiter"]
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_detection_succeeds_and_is_cached(monkeypatch, arch):
+    simulate_rocm(monkeypatch, arch)
+    reads = []
+    props = types.SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: reads.append(index) or props)
+    backend = ab.AiterBackend()
+    assert backend.unavailable(CUDA) is None
+    assert backend.unavailable(torch.device("cuda")) is None  # index None: current device 0
+    assert reads == [0]
+    assert ab.detect(0).arch == arch
+
+
+def test_cpu_device_is_declined_without_detection(block_aiter):
+    assert "ROCm GPUs only" in ab.AiterBackend().unavailable(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_auto_resolves_to_aiter_on_simulated_rocm(monkeypatch, arch):
+    simulate_rocm(monkeypatch, arch)
+    backend, reason = resolve("auto", CUDA)
+    assert reason == "" and backend.name == "aiter"
+
+
+def test_auto_resolves_to_torch_on_cpu(block_aiter):
+    backend, reason = resolve("auto", torch.device("cpu"))
+    assert reason == "" and backend.name == "torch"
+
+
+@pytest.mark.parametrize("version, expected", [
+    (V017, dict(choose_stage=False, norm_first=False, gemma_norm=False, per_token_quant=False,
+                per_group_quant=False, flexible_hidden=False)),
+    (V_STAGE, dict(choose_stage=True, norm_first=True, gemma_norm=False, per_token_quant=False,
+                   per_group_quant=False, flexible_hidden=False)),
+    (V_MAIN, dict(choose_stage=True, norm_first=True, gemma_norm=True, per_token_quant=True,
+                  per_token_gemma=True, per_group_quant=True, per_group_norm_out=True,
+                  flexible_hidden=True)),
+])
+def test_api_is_read_from_signatures(version, expected):
+    api = found_for(version=version).api
+    for flag, value in expected.items():
+        assert getattr(api, flag) == value, flag
+
+
+def test_quant_dtype_follows_arch():
+    assert ab.quant_dtype("gfx942") == torch.float8_e4m3fnuz
+    assert ab.quant_dtype("gfx950") == torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------- shape gates
+
+
+@pytest.mark.parametrize("kwargs, ok", [
+    (dict(hidden=16384), True),
+    (dict(hidden=16384 + 8), False),  # one pack past the hidden limit
+    (dict(hidden=4096 + 8), True),
+    (dict(hidden=4096 + 4), False),  # not whole packs of 16 bytes
+    (dict(hidden=2880), True),  # no hidden allowlist (SGLang#21986)
+    (dict(hidden=4096 + 8, dtype=torch.float16), True),
+    (dict(hidden=4096 + 4, dtype=torch.float16), False),
+    (dict(tokens=8192, hidden=4096), True),  # exactly 64 MiB: inclusive
+    (dict(tokens=8193, hidden=4096), False),
+    (dict(tokens=16384, hidden=2048), True),
+    (dict(tokens=16385, hidden=2048), False),
+    (dict(tokens=0), False),
+    (dict(tokens=None), True),  # symbolic at compile time: decided at run time
+    (dict(weight_dtype=torch.float32), False),
+    (dict(world_size=1), False),
+    (dict(world_size=2), True),
+    (dict(world_size=3), False),
+    (dict(world_size=4), True),
+    (dict(world_size=6), False),
+    (dict(world_size=8), True),
+    (dict(world_size=16), False),
+])
+def test_shape_check_boundaries(monkeypatch, kwargs, ok):
+    simulate_rocm(monkeypatch, "gfx942")
+    reason = ab.AiterBackend().shape_check(call(**kwargs))
+    assert (reason is None) == ok, reason
+
+
+def test_why_not_caps_bytes_even_with_a_larger_user_override(monkeypatch):
+    simulate_rocm(monkeypatch, "gfx942")
+    backend = ab.AiterBackend()
+    at_limit, past = call(tokens=8192, hidden=4096), call(tokens=8193, hidden=4096)
+    assert backend.default_max_bytes(at_limit) == 64 * MIB
+    assert backend.why_not(at_limit) is None
+    assert backend.why_not(past, max_bytes_override=1024 * MIB) is not None  # buffer limit holds
+    assert backend.why_not(call(tokens=257, hidden=4096), max_bytes_override=2 * MIB) is not None
+    assert backend.why_not(call(tokens=256, hidden=4096), max_bytes_override=2 * MIB) is None
+    assert backend.why_not(call(dtype=torch.float32)) is not None  # 16-bit kernels only
+
+
+@pytest.mark.parametrize("version, hidden, ok", [
+    (V017, 512, True), (V017, 16384, True), (V017, 256, False), (V017, 2880, False),
+    (V017, 4096 + 512, True), (V017, 4096 + 8, False),
+    (V_STAGE, 2880, False), (V_MAIN, 2880, True), (V_MAIN, 256, True),
+])
+def test_old_aiter_row_sizes(monkeypatch, version, hidden, ok):
+    simulate_rocm(monkeypatch, "gfx942", FakeAiter(version=version))
+    reason = ab.AiterBackend().shape_check(call(hidden=hidden))
+    assert (reason is None) == ok, reason
+
+
+@pytest.mark.parametrize("version, ok", [(V017, False), (V_STAGE, False), (V_MAIN, True)])
+def test_gemma_needs_gemma_norm(monkeypatch, version, ok):
+    simulate_rocm(monkeypatch, "gfx942", FakeAiter(version=version))
+    reason = ab.AiterBackend().shape_check(call(norm="gemma_rms"))
+    assert (reason is None) == ok, reason
+
+
+# ---------------------------------------------------------------- 1-stage vs 2-stage
+
+
+@pytest.mark.parametrize("kwargs, one_stage", [
+    (dict(tokens=80, hidden=2048, world_size=2), True),
+    (dict(tokens=81, hidden=2048, world_size=2), False),  # kMaxBlocks
+    (dict(tokens=80, hidden=8192, world_size=2), True),  # ws=2: no byte limit below 80 tokens
+    (dict(tokens=1, hidden=8192, world_size=8), True),  # 8192 / 8 = 1024 packs
+    (dict(tokens=1, hidden=8192 + 8, world_size=8), False),  # 1025 packs
+    (dict(tokens=32, hidden=4096, world_size=4), True),  # exactly 256 KiB
+    (dict(tokens=33, hidden=4096, world_size=4), False),
+    (dict(tokens=32, hidden=4096 + 8, world_size=4), False),  # one pack per row past 256 KiB
+    (dict(tokens=16, hidden=4096, world_size=8), True),  # exactly 128 KiB
+    (dict(tokens=17, hidden=4096, world_size=8), False),
+    (dict(tokens=16, hidden=4096 + 8, world_size=8), False),
+    (dict(tokens=64, hidden=1024, world_size=8), True),  # 128 KiB with another shape
+    (dict(tokens=64, hidden=1024, dtype=torch.float16, world_size=8), True),
+])
+def test_one_stage_choice(kwargs, one_stage):
+    c = call(**kwargs)
+    assert ab.use_one_stage(c, found_for().api) is one_stage
+
+
+@pytest.mark.parametrize("hidden, one_stage", [(4096, True), (2048, True), (5120, False), (2880, False)])
+def test_one_stage_on_old_aiter_only_for_its_hidden_sizes(hidden, one_stage):
+    api = found_for(version=V_STAGE).api
+    assert ab.use_one_stage(call(tokens=1, hidden=hidden), api) is one_stage
+
+
+# ---------------------------------------------------------------- which stages are planned
+
+
+def plan_for(monkeypatch, c: Call, arch="gfx950", version=V_MAIN, env=False, fp8=None):
+    fp8_dtype = ab.LIMITS.fp8_dtypes[arch]
+    monkeypatch.setattr(quant, "quantize", lambda n, f, s: fake_quantize(n, f, s, fp8_dtype))
+    return ab.plan(c, found_for(arch, version, fp8), env)
+
+
+@pytest.mark.parametrize("kwargs, arch, first", [
+    (dict(quant_form="none"), "gfx950", ab.FUSED_NORM),
+    (dict(quant_form="fp8_group", emit_norm=False), "gfx950", ab.FUSED_QUANT),
+    (dict(quant_form="fp8_group", emit_norm=True), "gfx950", ab.FUSED_QUANT),
+    (dict(quant_form="fp8_group", emit_norm=False), "gfx942", ab.FUSED_NORM),  # gfx95x only
+    (dict(quant_form="fp8_dynamic", emit_norm=False), "gfx950", ab.FUSED_QUANT),
+    (dict(quant_form="fp8_dynamic", emit_norm=False), "gfx942", ab.FUSED_NORM),
+    (dict(quant_form="fp8_dynamic", emit_norm=True), "gfx950", ab.FUSED_NORM),
+    (dict(quant_form="fp8_static", emit_norm=False), "gfx950", ab.FUSED_NORM),
+    (dict(quant_form="nvfp4", emit_norm=False), "gfx950", ab.FUSED_NORM),
+    (dict(quant_form="fp8_group", norm="gemma_rms", emit_norm=False), "gfx950", ab.FUSED_NORM),
+    (dict(quant_form="fp8_dynamic", norm="gemma_rms", emit_norm=False), "gfx950", ab.FUSED_QUANT),
+    (dict(quant_form="fp8_group", hidden=4096 + 64, emit_norm=False), "gfx950", ab.FUSED_NORM),
+    (dict(quant_form="fp8_dynamic", hidden=7168, emit_norm=False), "gfx950", ab.FUSED_QUANT),
+    (dict(quant_form="fp8_dynamic", hidden=5120, emit_norm=False), "gfx950", ab.FUSED_NORM),
+    (dict(quant_form="fp8_dynamic", tokens=512, emit_norm=False), "gfx950", ab.FUSED_QUANT),  # 4 MiB
+    (dict(quant_form="fp8_dynamic", tokens=513, emit_norm=False), "gfx950", ab.FUSED_NORM),
+])
+def test_plan(monkeypatch, kwargs, arch, first):
+    stages, skipped = plan_for(monkeypatch, call(**kwargs), arch)
+    assert stages[0] == first and stages[-2:] == [ab.FUSED_NORM, ab.UNFUSED]
+    assert bool(skipped) == (kwargs["quant_form"] != "none" and first != ab.FUSED_QUANT)
+
+
+def test_plan_without_quant_kernels_in_old_aiter(monkeypatch):
+    stages, skipped = plan_for(monkeypatch, call(quant_form="fp8_group", emit_norm=False),
+                               version=V_STAGE)
+    assert stages == [ab.FUSED_NORM, ab.UNFUSED] and "no per-group" in skipped[0]
+
+
+def test_env_opt_out_keeps_the_norm_fusion(monkeypatch):
+    stages, skipped = plan_for(monkeypatch, call(quant_form="fp8_group", emit_norm=False), env=True)
+    assert stages == [ab.FUSED_NORM, ab.UNFUSED] and ab.DISABLE_QUANT_ENV in skipped[0]
+    for value, disabled in [("1", True), ("0", False), ("", False), ("off", False), ("yes", True)]:
+        monkeypatch.setenv(ab.DISABLE_QUANT_ENV, value)
+        assert ab.quant_disabled_by_env() is disabled
+
+
+def test_plan_needs_aiter_fp8_to_match_the_arch(monkeypatch):
+    c = call(quant_form="fp8_group", emit_norm=False)
+    stages, skipped = plan_for(monkeypatch, c, "gfx950", fp8=torch.float8_e4m3fnuz)
+    assert stages[0] == ab.FUSED_NORM and "fp8 dtype" in skipped[0]
+
+
+def test_plan_needs_the_reference_quant_layout(monkeypatch):
+    c = call(quant_form="fp8_group", emit_norm=False)
+    found = found_for("gfx950")
+    # The reference quant still raising NotImplementedError (not written yet): no one-kernel.
+    monkeypatch.setattr(quant, "quantize", lambda n, f, s: (_ for _ in ()).throw(NotImplementedError()))
+    stages, skipped = ab.plan(c, found, False)
+    assert stages[0] == ab.FUSED_NORM and "reference quant layout unknown" in skipped[0]
+    # A reference producing another fp8 dtype or a transposed scale: no one-kernel either.
+    for other in (
+        lambda n, f, s: fake_quantize(n, f, s, torch.float8_e4m3fnuz),
+        lambda n, f, s: {**fake_quantize(n, f, s, torch.float8_e4m3fn),
+                         "scale": fake_quantize(n, f, s, torch.float8_e4m3fn)["scale"].t().contiguous().t()},
+    ):
+        ab._reference_layout.cache_clear()
+        monkeypatch.setattr(quant, "quantize", other)
+        stages, skipped = ab.plan(c, found, False)
+        assert stages[0] == ab.FUSED_NORM and "differ from the reference" in skipped[0]
+
+
+# ---------------------------------------------------------------- runs: outputs and aiter calls
+
+
+SITES = [
+    dict(residual=True), dict(residual=False),
+    dict(quant_form="fp8_group", emit_norm=False), dict(quant_form="fp8_group", emit_norm=True),
+    dict(quant_form="fp8_group", residual=False, emit_norm=False),
+    dict(quant_form="fp8_dynamic", emit_norm=False), dict(quant_form="fp8_dynamic", emit_norm=True),
+    dict(quant_form="fp8_static", emit_norm=False),
+]
+
+
+@pytest.mark.parametrize("version", [V017, V_STAGE, V_MAIN])
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+@pytest.mark.parametrize("site", SITES)
+def test_outputs_match_reference_in_site_order(rocm_env, version, arch, site):
+    fake = rocm_env(arch, version)
+    run_and_expect(ab.AiterBackend(), call(**site))
+    assert fake.violations == []
+    assert "custom_all_reduce" not in fake.names()  # a fused stage produced the result
+
+
+@pytest.mark.parametrize("site", [dict(norm="gemma_rms"), dict(norm="gemma_rms", residual=False),
+                                  dict(norm="gemma_rms", quant_form="fp8_dynamic", emit_norm=False)])
+def test_gemma_outputs_match_reference(rocm_env, site):
+    fake = rocm_env("gfx950", V_MAIN)
+    run_and_expect(ab.AiterBackend(), call(**site))
+    assert fake.violations == [] and fake.calls[-1][2]["gemma_norm"] is True
+
+
+def test_call_contract_0_1_7(rocm_env):
+    fake = rocm_env("gfx942", V017)
+    c = call(tokens=4, residual=False)
+    run_and_expect(ab.AiterBackend(), c)
+    (init, init_args, init_kwargs), (name, args, kwargs) = fake.calls
+    assert init == "__init__" and init_args == (f"gloo:pg:{GROUP}", CUDA)
+    assert init_kwargs == {"max_size": 128 * MIB}
+    assert name == "custom_fused_ar_rms" and len(args) == 4 and kwargs == {}
+    x, residual, weight, eps = args
+    assert residual.shape == x.shape and not residual.any()  # zeros, never empty
+    assert x.is_contiguous() and x.dim() == 2
+
+
+@pytest.mark.parametrize("tokens, one_stage", [(80, True), (81, False)])
+def test_call_contract_stage_choice(rocm_env, tokens, one_stage):
+    fake = rocm_env("gfx942", V_STAGE)
+    run_and_expect(ab.AiterBackend(), call(tokens=tokens, hidden=1024))
+    name, args, kwargs = fake.calls[-1]
+    assert name == "custom_fused_ar_rms" and len(args) == 4 and kwargs == {"use_1stage": one_stage}
+
+
+def test_call_contract_main(rocm_env):
+    fake = rocm_env("gfx950", V_MAIN)
+    backend = ab.AiterBackend()
+    run_and_expect(backend, call(quant_form="fp8_group", emit_norm=True))
+    run_and_expect(backend, call(quant_form="fp8_group", emit_norm=False))
+    run_and_expect(backend, call(quant_form="fp8_dynamic", emit_norm=False, tokens=200))
+    run_and_expect(backend, call(norm="gemma_rms", tokens=200))
+    assert fake.names() == ["__init__", "custom_fused_ar_rms_per_group_quant",
+                            "custom_fused_ar_rms_per_group_quant", "custom_fused_ar_rms_quant",
+                            "custom_fused_ar_rms"]
+    assert [len(args) for _, args, _ in fake.calls[1:]] == [4, 4, 4, 4]
+    assert [kw for _, _, kw in fake.calls[1:]] == [
+        {"group_size": 128, "use_1stage": True, "emit_bf16": True},
+        {"group_size": 128, "use_1stage": True},
+        {"use_1stage": False},
+        {"use_1stage": False, "gemma_norm": True},
+    ]
+    assert fake.violations == []
+
+
+def test_three_dimensional_input_is_flattened(rocm_env):
+    fake = rocm_env("gfx950", V_MAIN)
+    c = call(tokens=6)
+    x, residual, weight, eps, _ = inputs(c)
+    outs = ab.AiterBackend().run(c, x.reshape(2, 3, -1), residual.reshape(2, 3, -1), weight, eps, None)
+    assert [o.shape for o in outs] == [torch.Size([6, c.hidden])] * 2
+    assert fake.calls[-1][1][0].shape == (6, c.hidden)
+
+
+# ---------------------------------------------------------------- the fallback chain
+
+
+@pytest.mark.parametrize("mode", ["none", "raise"])
+def test_quant_kernel_unavailable_falls_back_to_norm_kernel_then_quant(rocm_env, caplog, mode):
+    fake = rocm_env("gfx950", V_MAIN, behaviour={"custom_fused_ar_rms_per_group_quant": mode})
+    backend = ab.AiterBackend()
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        for _ in range(2):
+            run_and_expect(backend, call(quant_form="fp8_group", emit_norm=True))
+    assert fake.names()[1:] == ["custom_fused_ar_rms_per_group_quant", "custom_fused_ar_rms"] * 2
+    fell = [r for r in caplog.records if "trying the next stage" in r.getMessage()]
+    assert len(fell) == 1  # once per reason
+    assert ("returned None" if mode == "none" else "RuntimeError") in fell[0].getMessage()
+
+
+@pytest.mark.parametrize("mode", ["none", "raise"])
+def test_norm_kernel_unavailable_falls_back_to_unfused(rocm_env, mode):
+    fake = rocm_env("gfx942", V_MAIN, behaviour={"custom_fused_ar_rms": mode})
+    run_and_expect(ab.AiterBackend(), call(quant_form="fp8_group", emit_norm=True))
+    assert fake.names()[1:] == ["custom_fused_ar_rms", "custom_all_reduce"]
+
+
+def test_every_kernel_unavailable_ends_at_the_reference(rocm_env, monkeypatch):
+    fake = rocm_env("gfx950", V_MAIN, behaviour={
+        "custom_fused_ar_rms_quant": "none", "custom_fused_ar_rms": "raise", "custom_all_reduce": "none"})
+    torch_all_reduces = []
+    monkeypatch.setattr(reference, "all_reduce_sum",
+                        lambda x, group: torch_all_reduces.append(group) or fake.reduce(x))
+    run_and_expect(ab.AiterBackend(), call(quant_form="fp8_dynamic", emit_norm=False))
+    assert fake.names()[1:] == ["custom_fused_ar_rms_quant", "custom_fused_ar_rms", "custom_all_reduce"]
+    assert torch_all_reduces == [GROUP, GROUP]  # the backend's fallback, then the expectation
+
+
+def test_reference_errors_propagate(rocm_env, monkeypatch):
+    rocm_env("gfx942", V_MAIN)
+    monkeypatch.setattr(quant, "quantize", lambda n, f, s: (_ for _ in ()).throw(NotImplementedError("q")))
+    c = call(quant_form="fp8_static", emit_norm=False)
+    with pytest.raises(NotImplementedError):
+        ab.AiterBackend().run(c, *inputs(c))
+
+
+def test_plain_all_reduce_raising_uses_torch(rocm_env):
+    fake = rocm_env("gfx942", V017, behaviour={"custom_fused_ar_rms": "none", "custom_all_reduce": "raise"})
+    run_and_expect(ab.AiterBackend(), call())
+    assert fake.names()[1:] == ["custom_fused_ar_rms", "custom_all_reduce"]
+
+
+def test_env_opt_out_at_run_time(rocm_env, monkeypatch):
+    fake = rocm_env("gfx950", V_MAIN)
+    monkeypatch.setenv(ab.DISABLE_QUANT_ENV, "1")
+    run_and_expect(ab.AiterBackend(), call(quant_form="fp8_group", emit_norm=False))
+    assert fake.names()[1:] == ["custom_fused_ar_rms"]
+
+
+def test_failed_set_up_runs_unfused_and_is_not_retried(rocm_env):
+    fake = rocm_env("gfx950", V_MAIN, ctor_raises=True)
+    backend = ab.AiterBackend()
+    assert "set-up failed: AssertionError" in backend.prepare(call())
+    run_and_expect(backend, call())
+    run_and_expect(backend, call(tokens=7))
+    assert fake.names() == ["__init__"]
+
+
+def test_disabled_communicator_runs_unfused(rocm_env):
+    fake = rocm_env("gfx950", V_MAIN, disabled=True)
+    backend = ab.AiterBackend()
+    assert "disabled its custom all-reduce" in backend.prepare(call())
+    run_and_expect(backend, call())
+    run_and_expect(backend, call())
+    assert fake.names() == ["__init__"]
+
+
+def test_no_set_up_during_graph_capture(rocm_env, monkeypatch):
+    fake = rocm_env("gfx950", V_MAIN)
+    backend = ab.AiterBackend()
+    monkeypatch.setattr(ab, "_capturing", lambda: True)
+    assert "CUDA graph capture" in backend.prepare(call())
+    run_and_expect(backend, call())
+    assert fake.names() == []
+    monkeypatch.setattr(ab, "_capturing", lambda: False)
+    assert backend.prepare(call()) is None
+    run_and_expect(backend, call())
+    assert fake.names() == ["__init__", "custom_fused_ar_rms"]
+
+
+def test_one_communicator_per_group(rocm_env):
+    fake = rocm_env("gfx950", V_MAIN)
+    backend = ab.AiterBackend()
+    run_and_expect(backend, call())
+    run_and_expect(backend, call(tokens=9))
+    other = Call(**{**call().__dict__, "group_name": "tp1"})
+    backend.run(other, *inputs(other))
+    assert fake.names().count("__init__") == 2
+    backend.close()
+    assert backend._communicators == {}
+
+
+# ---------------------------------------------------------------- the gloo twin group
+
+
+def test_gloo_twin_reuses_gloo_and_creates_one_per_rank_set(monkeypatch):
+    created = []
+    backends = {"g": "gloo", "n1": "nccl", "n2": "nccl"}
+    ranks = {"g": [0, 1], "n1": [0, 1], "n2": [0, 1]}
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group: backends[group])
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: ranks[group])
+    monkeypatch.setattr(torch.distributed, "new_group",
+                        lambda r, **kw: created.append((r, kw)) or f"gloo{tuple(r)}")
+    assert ab.gloo_twin("g") == "g"
+    assert ab.gloo_twin("n1") == ab.gloo_twin("n2") == "gloo(0, 1)"
+    assert created == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})]
