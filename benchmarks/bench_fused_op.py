@@ -11,8 +11,8 @@ Per token count (hidden 4096 and 8192, bf16), median microseconds per call, each
   b   arfusion as a user gets it: the function compiled with the pass (static shapes), so each
       size is fused or left to Inductor by the dispatch table
   c   arfusion's op with FlashInfer forced at every size (up to 64 MiB per rank)
-With --variants, FlashInfer forced one-shot / two-shot at every size, and for T <= 512 with
-PDL off, fp32 accumulation off, and both off (how the probe calls FlashInfer directly).
+With --variants (first hidden only), FlashInfer forced one-shot / two-shot at every size, and for
+T <= 512 with PDL off, fp32 accumulation off, and both off (how the probe calls FlashInfer).
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ def rel_err(got, want):
 
 
 def run(args):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+    import compat_torch211  # torch 2.11: see that module
+
+    compat_torch211.install()
     import arfusion
     from arfusion import reference, tuning
     from arfusion.backends import flashinfer_dispatch as dispatch
@@ -138,7 +144,7 @@ def run(args):
                 forced = lambda: tuning.fused_step(x, res, weight, EPS, gname, dispatch.HARD_MAX_FUSED_BYTES)
                 row["c_us"] = timed(forced)
                 row["c_err"] = rel_err(forced()[1], want[1])
-                if args.variants:
+                if args.variants and hidden == args.hidden[0]:
                     with knobs(backend, force_oneshot=True):
                         row["fi_1shot_us"] = timed(forced)
                     if t > world:
@@ -229,7 +235,8 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--tokens-8192", type=int, nargs="+", default=[1, 8, 32, 128, 256, 512, 1024, 2048, 4096, 8192],
                    help="token counts measured at hidden >= 8192")
-    p.add_argument("--variants", action="store_true", help="also FlashInfer one-/two-shot, PDL, fp32-acc variants")
+    p.add_argument("--variants", action="store_true",
+                   help="also FlashInfer one-/two-shot, PDL, fp32-acc variants (first --hidden only)")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--out", default=os.environ.get("OUT", "."))

@@ -26,10 +26,16 @@ for s in "$@"; do
     checks2) stage checks2 "${LIMIT:-120}" python -m pytest -q -s -x "$GPU_TESTS::test_fused_op_matches_reference_on_gpus[2]" ;;
     checks4) stage checks4 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_fused_op_matches_reference_on_gpus[4]" ;;
     hf2) stage hf2 "${LIMIT:-100}" python -m pytest -q -s -x "$GPU_TESTS::test_hf_example_runs_fused_on_two_gpus" ;;
-    sweep2) stage sweep2 "${LIMIT:-150}" $TORCHRUN 2 benchmarks/bench_fused_op.py --hidden 4096 --variants --out "$OUT/sweep" ;;
-    sweep4) stage sweep4 "${LIMIT:-150}" $TORCHRUN 4 benchmarks/bench_fused_op.py --hidden 4096 --variants --out "$OUT/sweep" ;;
-    bench2) stage bench2 "${LIMIT:-140}" $TORCHRUN 2 benchmarks/bench_fused_op.py --out "$OUT" ;;
-    bench4) stage bench4 "${LIMIT:-140}" $TORCHRUN 4 benchmarks/bench_fused_op.py --out "$OUT" ;;
+    checks2+hf2)  # both correctness-only: run side by side on GPUs 0,1 and 2,3
+      (CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29611 stage hf2 "${LIMIT:-120}" python -m pytest -q -s -x \
+        "$GPU_TESTS::test_hf_example_runs_fused_on_two_gpus" >/tmp/hf2.log 2>&1) &
+      CUDA_VISIBLE_DEVICES=0,1 stage checks2 "${LIMIT:-120}" python -m pytest -q -s -x "$GPU_TESTS::test_fused_op_matches_reference_on_gpus[2]"
+      wait
+      cat /tmp/hf2.log ;;
+    sweep2) stage sweep2 "${LIMIT:-170}" $TORCHRUN 2 benchmarks/bench_fused_op.py --variants --out "$OUT/sweep" ;;
+    sweep4) stage sweep4 "${LIMIT:-170}" $TORCHRUN 4 benchmarks/bench_fused_op.py --variants --out "$OUT/sweep" ;;
+    bench2) stage bench2 "${LIMIT:-140}" $TORCHRUN 2 benchmarks/bench_fused_op.py --hidden ${HIDDEN:-4096 8192} --out "$OUT" ;;
+    bench4) stage bench4 "${LIMIT:-140}" $TORCHRUN 4 benchmarks/bench_fused_op.py --hidden ${HIDDEN:-4096 8192} --out "$OUT" ;;
     probe2) stage probe2 "${LIMIT:-90}" $TORCHRUN 2 .device/probe_flashinfer_direct.py ;;
     probe4) stage probe4 "${LIMIT:-90}" $TORCHRUN 4 .device/probe_flashinfer_direct.py ;;
     tune4) stage tune4 "${LIMIT:-70}" $TORCHRUN 4 -m arfusion.cli tune --hidden 4096 --tokens 1,8,32,64,128,192,256,384,512 --cache "$OUT/tuning.json" ;;
