@@ -42,15 +42,18 @@ class Limits:
     source: str
 
 
-# (SM major, world size) -> limits for 16-bit inputs, bytes per rank. Sources:
-#  - SM90 world 4 and 2: our H200 sweep (docs/benchmarks.md, FIELD_NOTES §7); vLLM's SM90
-#    table agrees on the world-4 cap (2 MiB) and the world-2 cap (64 MiB).
+# (SM major, world size) -> (fuse up to, one-shot up to), MiB per rank, for 16-bit inputs.
+#  - SM90 worlds 2 and 4: our H200 sweep (docs/benchmarks.md). Fused only while it beats NCCL
+#    all_reduce *in place* + compiled add+RMSNorm, the unfused path of a real model:
+#    world 2 one-shot wins up to 32 MiB (1.02x there) and loses at 64 MiB (0.95x);
+#    world 4 one-shot wins up to 2 MiB, two-shot from there up to 8 MiB (1.03x), and loses at
+#    16 MiB (0.97x). vLLM's SM90 table fuses more (64 / 2 MiB) and never uses two-shot at world 4.
 #  - SM90 world 8 and SM100: vLLM's FI_ALLREDUCE_FUSION_MAX_SIZE_MB and one-shot tables
-#    (SM100 uses its B200 column, the most conservative of the SM10x columns).
-# World 16 has no single-node data: only a tuned entry enables it.
+#    (SM100 takes its B200 column, the most conservative of the SM10x columns). Unmeasured here.
+# World 16 has no single-node data: only a tuned entry or a user cap enables it.
 _SEED_16BIT: dict[tuple[int, int], tuple[float, float]] = {
-    (9, 2): (64, 32),
-    (9, 4): (2, 2),
+    (9, 2): (32, 32),
+    (9, 4): (8, 2),
     (9, 8): (0.5, 0.5),
     (10, 2): (64, 32),
     (10, 4): (32, 4),

@@ -39,6 +39,7 @@ for s in "$@"; do
     probe2) stage probe2 "${LIMIT:-90}" $TORCHRUN 2 .device/probe_flashinfer_direct.py ;;
     probe4) stage probe4 "${LIMIT:-90}" $TORCHRUN 4 .device/probe_flashinfer_direct.py ;;
     tune4) stage tune4 "${LIMIT:-70}" $TORCHRUN 4 -m arfusion.cli tune --hidden 4096 --tokens 1,8,32,64,128,192,256,384,512 --cache "$OUT/tuning.json" ;;
+    tune2) stage tune2 "${LIMIT:-60}" $TORCHRUN 2 -m arfusion.cli tune --hidden 4096 --tokens 1,8,64,256,1024,4096,8192 --cache "$OUT/tuning.json" ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
