@@ -348,3 +348,25 @@ def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
         assert all(r["creates"] == [] for r in results)  # agreement came before creation
     else:
         assert len(results[0]["creates"]) == 1  # rank 0 created, then dropped it with everyone
+
+
+# ----------------------------------------------------------------- the command line
+
+
+def test_cli_table_and_tune_outside_torchrun(backend, capsys, monkeypatch):
+    from arfusion import cli
+
+    assert cli.main(["table"]) == 0
+    assert "SM" in capsys.readouterr().out
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.main(["tune", "--hidden", "4096"]) == 2
+    assert "torchrun" in capsys.readouterr().err
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails: the text bar is used
+    bar = tuning.Progress(2, "tune")
+    bar.update("T=1")
+    bar.update("T=2")
+    bar.close()
+    assert "2/2" in capsys.readouterr().err
