@@ -94,8 +94,11 @@ class ArFusionPass(CustomGraphPass):
         A site declined here stays as Inductor compiles it (its own fused norm kernel), which
         beats a run-time fallback inside the fused op.
         """
-        if (spec.eps == "literal") != isinstance(match.kwargs["eps"], (int, float)):
-            return False  # a literal-eps pattern also matches a tensor eps; that one has its own
+        # A literal-eps pattern also matches a tensor eps (dynamic=True); that has its own pattern.
+        # torch 2.11 drops a literal eps from the re-traced match's kwargs; 2.13 keeps it.
+        eps = match.kwargs.get("eps")
+        if (spec.eps == "literal") != (eps is None or isinstance(eps, (int, float))):
+            return False
         x = match.kwargs["x"].meta["val"]
         weight = match.kwargs["weight"].meta["val"]
         group_name = _group_of(match)

@@ -59,7 +59,8 @@ def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-type", default="llama", choices=["llama", "qwen3", "mistral", "gemma"])
+    p.add_argument("--model-type", default="llama",
+                   help="an HF model type with a TP plan; tested: llama, qwen3, mistral, gemma, qwen2, granite")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
