@@ -18,7 +18,8 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, stable_topological_sort
 
-from . import backends, patterns, stats
+from . import backends, patterns, quant, stats
+from .graph_utils import dedupe_pure_nodes
 from .backends.base import Call, num_tokens
 from .config import PassConfig, env_disabled
 from .ops import group_size, site_of
@@ -31,7 +32,7 @@ FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
 _SLOT = "post_grad_custom_post_pass"
 
 # (group name, config key) -> registered patterns. Registration traces every pattern once.
-_registered: dict[tuple[str, str], PatternMatcherPass] = {}
+_registered: dict[tuple[str, str], tuple[PatternMatcherPass, set]] = {}
 _owner: dict[tuple[str, str], "ArFusionPass"] = {}
 
 
@@ -64,8 +65,13 @@ class ArFusionPass(CustomGraphPass):
             return
         before = _fused_sites(graph)
         self._declined.clear()
+        features = patterns.GraphFeatures.of(graph)
+        if features.fp8_dtypes:
+            # torchao re-quantizes the norm output once per consuming linear (q, k, v, ...);
+            # one quant chain is what a quant pattern can absorb.
+            dedupe_pure_nodes(graph)
         for group_name in groups:
-            self._patterns_for(group_name).apply(graph)
+            self._patterns_for(group_name, features).apply(graph)
         # A replacement lands where the matched output was; an input it reads (Gemma's 1 + w)
         # may be defined later in the graph.
         stable_topological_sort(graph)
@@ -77,16 +83,22 @@ class ArFusionPass(CustomGraphPass):
                  dict(fused) or "", left,
                  f" (declined: {dict(self._declined)})" if self._declined else "")
 
-    def _patterns_for(self, group_name: str) -> PatternMatcherPass:
+    def _patterns_for(self, group_name: str, features: patterns.GraphFeatures) -> PatternMatcherPass:
+        """The group's pattern pass, with every spec this graph may need registered."""
         key = (group_name, self.config.key())
         if key not in _registered:
+            _registered[key] = (PatternMatcherPass(pass_name="arfusion"), set())
+        matcher, done = _registered[key]
+        todo = [s for s in patterns.all_specs(self.config.fused_quant_forms())
+                if s not in done and features.may_match(s)]
+        if todo:
             cap = self.config.max_bytes(group_size(group_name))
-            _registered[key] = patterns.register_all(
-                group_name, self.config.backend, -1 if cap is None else cap,
-                self.config.fused_quant_forms(), lambda spec, match: _owner[key]._accept(spec, match))
+            patterns.register(matcher, todo, group_name, self.config.backend, -1 if cap is None else cap,
+                              lambda spec, match: _owner[key]._accept(spec, match))
+            done.update(todo)
         # The registered checks report to the pass now running (same config, own counters).
         _owner[key] = self
-        return _registered[key]
+        return matcher
 
     def _accept(self, spec: patterns.PatternSpec, match: Match) -> bool:
         """Compile-time gate: fuse only what the backend accepts for these (static) shapes.
@@ -99,7 +111,15 @@ class ArFusionPass(CustomGraphPass):
         eps = match.kwargs.get("eps")
         if (spec.eps == "literal") != (eps is None or isinstance(eps, (int, float))):
             return False
+        if _inputs_depend_on_match(match):
+            return False  # e.g. a static-quant spelling taking a scale computed from this norm
         x = match.kwargs["x"].meta["val"]
+        if spec.fp8_dtype is not None:
+            if spec.fp8_dtype != quant.fp8_dtype(x.device):
+                return False  # this device's FP8 type differs; the op would produce the other one
+            fmax = torch.finfo(spec.fp8_dtype).max
+            if (match.kwargs.get("fmax", fmax), match.kwargs.get("neg_fmax", -fmax)) != (fmax, -fmax):
+                return False  # clamps to another range: not a saturating cast to this FP8 type
         weight = match.kwargs["weight"].meta["val"]
         group_name = _group_of(match)
         tokens = num_tokens(x.shape)
@@ -114,6 +134,24 @@ class ArFusionPass(CustomGraphPass):
             log.info("arfusion: %s site at %s not fused: %s", spec.site.name, match.nodes[-1], reason)
             return False
         return True
+
+
+def _inputs_depend_on_match(match: Match) -> bool:
+    """True if a pattern input is computed from the matched all-reduce (rewriting would make a
+    cycle). Only nodes after the all-reduce in graph order can depend on it."""
+    start = next(n for n in match.nodes if n.target is ALL_REDUCE)
+    matched = set(match.nodes)
+    todo = [v for v in match.kwargs.values() if isinstance(v, torch.fx.Node)]
+    seen = set()
+    while todo:
+        node = todo.pop()
+        if node in seen or not node > start:
+            continue
+        if node in matched:
+            return True
+        seen.add(node)
+        todo.extend(node.all_input_nodes)
+    return False
 
 
 def _group_of(match: Match) -> str:

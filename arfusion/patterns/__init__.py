@@ -18,7 +18,7 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only,
 
 from ..backends.base import Site
 from . import pieces
-from .quant import QUANT_SPELLINGS
+from .quant import BOUND_SENTINELS, FP8_DTYPES, QUANT_SPELLINGS
 
 log = logging.getLogger("arfusion")
 
@@ -44,9 +44,18 @@ class PatternSpec:
                     quant=quant.form, emit_norm=quant.emit_norm)
 
     @property
+    def fp8_dtype(self) -> torch.dtype | None:
+        return QUANT_SPELLINGS[self.quant].fp8_dtype
+
+    @property
     def input_names(self) -> tuple[str, ...]:
+        # Tensors first: make_fx gives only tensors placeholders, and the matcher names the
+        # placeholders by position, so a scalar among them would shift every later name.
         residual = () if self.residual == "none" else ("residual",)
-        return ("x", *residual, "weight", "eps", *QUANT_SPELLINGS[self.quant].inputs)
+        quant_inputs = QUANT_SPELLINGS[self.quant].inputs
+        tensors = tuple(i for i in quant_inputs if i not in BOUND_SENTINELS)
+        scalars = tuple(i for i in quant_inputs if i in BOUND_SENTINELS)
+        return ("x", *residual, "weight", *tensors, "eps", *scalars)
 
     @property
     def output_names(self) -> tuple[str, ...]:
@@ -56,7 +65,7 @@ class PatternSpec:
 
     def example_inputs(self) -> list:
         """Small stand-ins; only their dtypes and ranks matter (shapes are re-checked on match)."""
-        tokens, hidden = 4, 32
+        tokens, hidden = 4, 256  # hidden: a multiple of the FP8 group size
         values = {
             "x": torch.empty(tokens, hidden, dtype=self.dtype),
             "residual": torch.empty(tokens, hidden, dtype=self.dtype),
@@ -86,7 +95,7 @@ class PatternSpec:
         outputs = site.outputs()
         literal_eps = self.eps == "literal"
 
-        def replace(x, residual=None, weight=None, eps=None, scale=None):
+        def replace(x, residual=None, weight=None, eps=None, scale=None, fmax=None, neg_fmax=None):
             outs = torch.ops.arfusion.fused_allreduce_rmsnorm(
                 x, residual, weight, eps if literal_eps else 0.0, None if literal_eps else eps,
                 group_name, site.norm, site.quant, scale, site.emit_norm, backend, max_bytes)
@@ -106,6 +115,43 @@ def _positional(fn: Callable, names: tuple[str, ...]) -> Callable:
     return wrapper
 
 
+@dataclass(frozen=True)
+class GraphFeatures:
+    """What a graph contains that decides which specs can match in it. Registering only
+    those keeps the pass's first-compile cost low (each spec is one trace)."""
+
+    trace_dtypes: frozenset
+    eps_forms: frozenset
+    fp8_dtypes: frozenset
+    has_amax: bool
+
+    @classmethod
+    def of(cls, graph: torch.fx.Graph) -> "GraphFeatures":
+        all_reduce = torch.ops._c10d_functional.all_reduce.default
+        convert = torch.ops.prims.convert_element_type.default
+        dtypes, eps_forms, fp8, has_amax = set(), {"literal"}, set(), False
+        for n in graph.nodes:
+            val = n.meta.get("val")
+            if n.target is all_reduce and isinstance(val, torch.Tensor):
+                dtypes.add(torch.float32 if val.dtype == torch.float32 else torch.bfloat16)
+            elif n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() == 0 \
+                    and val.dtype == torch.float64:
+                eps_forms.add("tensor")  # dynamic=True lifts float attributes (eps) to inputs
+            elif n.target is convert and n.args[1] in FP8_DTYPES:
+                fp8.add(n.args[1])
+            elif n.target is torch.ops.aten.amax.default:
+                has_amax = True
+        return cls(frozenset(dtypes), frozenset(eps_forms), frozenset(fp8), has_amax)
+
+    def may_match(self, spec: "PatternSpec") -> bool:
+        quant = QUANT_SPELLINGS[spec.quant]
+        if spec.dtype not in self.trace_dtypes or spec.eps not in self.eps_forms:
+            return False
+        if quant.form == "none":
+            return True
+        return quant.fp8_dtype in self.fp8_dtypes and (quant.form == "fp8_static" or self.has_amax)
+
+
 def all_specs(quant_forms: tuple[str, ...]) -> list[PatternSpec]:
     """Every pattern, largest first: a quant pattern must win over the norm alone."""
     quants = [name for name, q in QUANT_SPELLINGS.items() if q.form == "none" or q.form in quant_forms]
@@ -117,22 +163,35 @@ def all_specs(quant_forms: tuple[str, ...]) -> list[PatternSpec]:
             if QUANT_SPELLINGS[quant].traces_with(dtype)]
 
 
-def register_all(group_name: str, backend: str, max_bytes: int, quant_forms: tuple[str, ...],
-                 extra_check: Callable[[PatternSpec, Match], bool]) -> PatternMatcherPass:
-    """A pattern pass holding every spec for this group, registered under fake tensors so no
-    collective runs and no live process group is needed."""
+def trace_like_post_grad(fn: Callable, args, **kwargs) -> torch.fx.GraphModule:
+    """fwd_only, then views as reshapes: Inductor rewrites every view to a reshape before the
+    custom passes run, so that is what the patterns meet."""
+    gm = fwd_only(fn, args, **kwargs)
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return gm
+
+
+def register(patterns: PatternMatcherPass, specs: list[PatternSpec], group_name: str, backend: str,
+             max_bytes: int, extra_check: Callable[[PatternSpec, Match], bool]) -> None:
+    """Add `specs` to `patterns`, traced under fake tensors so no collective runs and no live
+    process group is needed."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-    patterns = PatternMatcherPass(pass_name="arfusion")
     with unset_fake_temporarily(), torch._guards.tracing(None), FakeTensorMode():
-        for spec in all_specs(quant_forms):
+        for spec in specs:
             register_replacement(
                 spec.search_fn(group_name),
                 spec.replace_fn(group_name, backend, max_bytes),
                 spec.example_inputs(),
-                fwd_only,
+                trace_like_post_grad,
                 [patterns],
                 extra_check=lambda match, spec=spec: extra_check(spec, match),
-                scalar_workaround={"eps": EPS_SENTINEL} if spec.eps == "literal" else None,
+                scalar_workaround={**({"eps": EPS_SENTINEL} if spec.eps == "literal" else {}),
+                                   **QUANT_SPELLINGS[spec.quant].scalar_workaround},
+                # FP8 spellings differing only in dtype and clamp bound are one pattern until
+                # the exact re-trace on a match; the first one registered serves both.
+                skip_duplicates=True,
             )
-    return patterns
