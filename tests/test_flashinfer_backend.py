@@ -77,27 +77,61 @@ def install_fake_flashinfer():
 
     def allreduce_fusion(*, input, workspace, pattern, residual_in, residual_out, norm_out, rms_gamma,
                          rms_eps, use_oneshot, fp32_acc, weight_bias, launch_with_pdl,
-                         trigger_completion_at_end, **rest):
+                         trigger_completion_at_end, quant_out=None, scale_out=None, scale_factor=None,
+                         **rest):
         calls["fusion"].append(dict(pattern=pattern, use_oneshot=use_oneshot, fp32_acc=fp32_acc,
                                     weight_bias=weight_bias, rms_eps=rms_eps, pdl=launch_with_pdl,
                                     trigger_at_end=trigger_completion_at_end, tokens=input.shape[0],
-                                    residual_all_zero=bool((residual_in == 0).all()), **rest))
+                                    residual_all_zero=bool((residual_in == 0).all()),
+                                    norm_out=norm_out is not None, quant_out=quant_out is not None,
+                                    scale_out=None if scale_out is None else (list(scale_out.shape), str(scale_out.dtype)),
+                                    scale_factor=None if scale_factor is None else dict(
+                                        type=type(scale_factor).__name__, dtype=str(scale_factor.dtype),
+                                        shape=list(scale_factor.shape), device=str(scale_factor.device),
+                                        same_device=scale_factor.device == input.device), **rest))
         assert input.dim() == 2 and input.is_contiguous() and residual_in is not None
         assert isinstance(use_oneshot, bool) and (use_oneshot or input.shape[0] > workspace.world_size)
         assert workspace.is_buffer_size_sufficient(workspace.world_size, *input.shape, input.dtype)
         assert rms_gamma.dtype == input.dtype
+        # What each pattern reads and writes (FlashInfer 0.7.2.post1, FIELD_NOTES §3.1).
+        writes_norm, quant_kind = FAKE_PATTERNS[pattern]
+        assert (norm_out is not None) == writes_norm
+        assert (quant_out is not None) == (quant_kind is not None)
+        assert (scale_factor is not None) == (quant_kind == "static")
+        assert (scale_out is not None) == (quant_kind == "dynamic")
         summed = input.float()
         dist.all_reduce(summed, group=workspace.group)
         h = (summed + residual_in.float()).to(input.dtype)
         residual_out.copy_(h)
-        norm_out.copy_((reference.rms_normalize(h, rms_eps) * (rms_gamma.float() + weight_bias)).to(input.dtype))
-        return norm_out
+        normed = (reference.rms_normalize(h, rms_eps) * (rms_gamma.float() + weight_bias)).to(input.dtype)
+        if norm_out is not None:
+            norm_out.copy_(normed)
+        if quant_kind == "static":
+            assert quant_out.dtype == torch.float8_e4m3fn and quant_out.shape == input.shape
+            quant_out.copy_((normed.float() * (1 / scale_factor)).clamp(-448, 448).to(torch.float8_e4m3fn))
+        elif quant_kind == "dynamic":
+            assert quant_out.dtype == torch.float8_e4m3fn and scale_out.dtype == torch.float32
+            assert scale_out.shape == (input.shape[0], 1) and scale_out.is_contiguous()
+            scale = torch.maximum(normed.float().abs().amax(-1, keepdim=True) / 448,
+                                  torch.tensor(1 / (512 * 448)))
+            scale_out.copy_(scale)
+            quant_out.copy_((normed.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn))
+        return norm_out if norm_out is not None else quant_out
 
-    comm.AllReduceFusionPattern = types.SimpleNamespace(kARResidualRMSNorm=1)
+    comm.AllReduceFusionPattern = types.SimpleNamespace(
+        kARResidualRMSNorm=1, kARResidualRMSNormFP8Quant=2, kARResidualRMSNormFP4Quant=3,
+        kARResidualRMSNormOutFP8Quant=4, kARResidualRMSNormOutFP4Quant=5,
+        kARResidualRMSNormPerTokenGroupFP8PackedQuant=8, kARResidualRMSNormOutPerTokenGroupFP8PackedQuant=9,
+        kARResidualRMSNormDynamicFP8Quant=10, kARResidualRMSNormOutDynamicFP8Quant=11)
     comm.create_allreduce_fusion_workspace = create_allreduce_fusion_workspace
     comm.allreduce_fusion = allreduce_fusion
     trtllm.get_trtllm_comm_module = get_trtllm_comm_module
     return calls
+
+
+# pattern code -> (writes norm_out, quant kind) for the codes arfusion may call
+FAKE_PATTERNS = {1: (True, None), 2: (False, "static"), 4: (True, "static"),
+                 10: (False, "dynamic"), 11: (True, "dynamic")}
 
 
 def remove_fake_flashinfer():
@@ -301,12 +335,65 @@ def _worker(rank, world, init_file, out_dir):
                       dispatch=arfusion.stats()["dispatch"], group=group.group_name)
 
     scenario("ok", dist.group.WORLD)
+    results["quant"] = quant_scenario(calls, dist.group.WORLD.group_name, rank)
     # Fresh groups over the same ranks: each gets its own workspace negotiation.
     scenario("fail_build", dist.new_group([0, 1]))
     scenario("fail_create", dist.new_group([0, 1]))
     backend.close()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, default=str))
     dist.destroy_process_group()
+
+
+QUANT_SITES = [Site(residual=r, norm=n, quant=q, emit_norm=e)
+               for q in ("fp8_static", "fp8_dynamic", "fp8_group") for r in (True, False)
+               for e in (False, True) for n in (("rms", "gemma_rms") if r and e else ("rms",))]
+
+
+def quant_scenario(calls, group_name, rank):
+    """Every FP8 site through the real op on the stand-in: what FlashInfer was asked, and
+    what came back, per site (runs inside a gloo worker)."""
+    import arfusion
+    from arfusion import ops, quant
+
+    compiled_fns = []
+    real_compiled = ops.compiled
+    ops.compiled = lambda fn: compiled_fns.append(fn.__name__) or fn  # no Inductor in the workers
+    out = {}
+    try:
+        for site in QUANT_SITES:
+            calls["fusion"].clear()
+            arfusion.reset_stats()
+            torch.manual_seed(7 + rank)
+            x = torch.randn(2, 3, 256, dtype=torch.bfloat16)  # 3-D: outputs keep the leading dims
+            torch.manual_seed(8)
+            res = torch.randn(2, 3, 256, dtype=torch.bfloat16) if site.residual else None
+            w = (1 + 0.1 * torch.randn(256)).to(torch.bfloat16)
+            scale = torch.tensor(0.02) if site.quant == "fp8_static" else None
+            got = torch.ops.arfusion.fused_allreduce_rmsnorm(
+                x, res, w, 1e-6, None, group_name, site.norm, site.quant, scale, site.emit_norm,
+                "flashinfer", -1)
+            want = reference.unfused(x, res, w, 1e-6, group_name, site, scale)
+            named_got, named_want = dict(zip(site.outputs(), got)), dict(zip(site.outputs(), want))
+            errors = []
+            for name in ("residual", "norm"):
+                if name in named_got and not torch.allclose(named_got[name].float(), named_want[name].float(),
+                                                            atol=0.05, rtol=0.02):
+                    errors.append(name)
+            q_scale = (scale, scale) if site.quant == "fp8_static" else (named_got["scale"], named_want["scale"])
+            deq = [quant.dequantize(named[("quant")], s_, site.quant)
+                   for named, s_ in ((named_got, q_scale[0]), (named_want, q_scale[1]))]
+            if ((deq[0] - deq[1]).norm() / deq[1].norm()).item() > 2e-2:
+                errors.append("quant")
+            if "scale" in named_got and not torch.allclose(named_got["scale"], named_want["scale"], rtol=1e-2):
+                errors.append("scale")
+            out[site.name] = dict(
+                errors=errors, fusion=list(calls["fusion"]), dispatch=arfusion.stats()["dispatch"],
+                outputs={n: [list(t.shape), str(t.dtype)] for n, t in named_got.items()},
+                expected={n: [list(t.shape), str(t.dtype)] for n, t in named_want.items()})
+    finally:
+        ops.compiled = real_compiled
+    out["compiled"] = compiled_fns
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -348,6 +435,56 @@ def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
         assert all(r["creates"] == [] for r in results)  # agreement came before creation
     else:
         assert len(results[0]["creates"]) == 1  # rank 0 created, then dropped it with everyone
+
+
+def test_quant_sites_run_the_right_flashinfer_pattern(two_rank_results):
+    codes = {("fp8_static", False): 2, ("fp8_static", True): 4, ("fp8_dynamic", False): 10,
+             ("fp8_dynamic", True): 11, ("fp8_group", False): 1, ("fp8_group", True): 1}
+    for results in two_rank_results:
+        quant = results["quant"]
+        for site in QUANT_SITES:
+            got = quant[site.name]
+            assert got["errors"] == [], site.name
+            assert got["dispatch"] == {"flashinfer": 1}, site.name
+            [fusion] = got["fusion"]  # one FlashInfer launch per site
+            assert fusion["pattern"] == codes[site.quant, site.emit_norm], site.name
+            assert fusion["weight_bias"] == (1.0 if site.norm == "gemma_rms" else 0.0)
+            assert fusion["residual_all_zero"] == (not site.residual)
+            # the contract: names, order, shapes and dtypes exactly as the reference gives them
+            assert list(got["outputs"]) == list(site.outputs())
+            assert got["outputs"] == got["expected"], site.name
+            assert got["outputs"]["quant"][1] == "torch.float8_e4m3fn"
+            if site.quant == "fp8_static":
+                # fp32 1-element tensor on the input's device, never a Python float
+                assert fusion["scale_factor"] == dict(type="Tensor", dtype="torch.float32", shape=[1],
+                                                      device="cpu", same_device=True)
+            else:
+                assert fusion["scale_factor"] is None
+            if site.quant == "fp8_dynamic":
+                assert fusion["scale_out"] == [[6, 1], "torch.float32"]
+                assert got["outputs"]["scale"] == [[2, 3, 1], "torch.float32"]
+            if site.quant == "fp8_group":  # code 1 writes the norm; one quant kernel follows
+                assert fusion["norm_out"] and not fusion["quant_out"] and fusion["scale_out"] is None
+                assert got["outputs"]["scale"] == [[2, 3, 2], "torch.float32"]
+            else:
+                assert fusion["norm_out"] == site.emit_norm and fusion["quant_out"]
+        assert quant["compiled"] == ["fp8_group"] * sum(s.quant == "fp8_group" for s in QUANT_SITES)
+
+
+@pytest.mark.parametrize("quant", ["fp8_static", "fp8_dynamic", "fp8_group"])
+def test_quant_sites_share_the_unquantized_thresholds(backend, quant):
+    # Measured on H200 (FIELD_NOTES §7): the FP8 rows cross over where the plain rows do.
+    for emit_norm in (False, True):
+        site = Site(residual=True, norm="rms", quant=quant, emit_norm=emit_norm)
+        assert backend.why_not(call(1024, site=site)) is None
+        assert "> cap" in backend.why_not(call(1025, site=site))
+        assert backend.use_oneshot(call(256, site=site)) and not backend.use_oneshot(call(257, site=site))
+
+
+def test_quant_guards(backend):
+    group = Site(residual=True, norm="rms", quant="fp8_group")
+    assert "group size 128" in backend.why_not(call(8, hidden=4096 + 64, site=group))
+    assert "nvfp4 not supported" in backend.why_not(call(8, site=Site(True, "rms", "nvfp4")))
 
 
 # ----------------------------------------------------------------- the command line

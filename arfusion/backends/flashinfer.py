@@ -1,4 +1,7 @@
-"""FlashInfer backend: all-reduce + residual add + RMSNorm in one kernel on NVIDIA GPUs.
+"""FlashInfer backend: all-reduce + residual add + RMSNorm (+ FP8 quant) in one kernel on NVIDIA GPUs.
+
+Static and dynamic per-token FP8 are quantized inside FlashInfer's kernel; per-group FP8 runs the
+plain kernel and then one compiled quant kernel (see QUANT_KERNELS).
 
 Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`
 and `allreduce_fusion`, always with backend="trtllm". "auto" would pick "mnnvl" on NVSwitch
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import quant
 from . import flashinfer_dispatch as dispatch
 from .base import NORM_FORMS, Backend, Call, Capabilities, flatten_tokens
 
@@ -45,6 +49,18 @@ warnings.filterwarnings("ignore", message="use the unified API allreduce.py", ca
 
 WORLD_SIZES = frozenset({2, 4, 8, 16})
 FI_BACKEND = "trtllm"  # the only FlashInfer backend this module ever asks for
+
+# (Site.quant, Site.emit_norm) -> the AllReduceFusionPattern member that computes the site.
+# Per-group FP8 has no FlashInfer kernel with fp32 [T, H/128] scales (codes 8/9 write packed
+# UE8M0 int32 scales, another format), so it runs code 1 and then one compiled quant kernel.
+# NVFP4 (codes 3/5) is not dispatched: on SM90 it silently writes zeros.
+QUANT_KERNELS = {
+    "none": {True: "kARResidualRMSNorm"},
+    "fp8_static": {False: "kARResidualRMSNormFP8Quant", True: "kARResidualRMSNormOutFP8Quant"},
+    "fp8_dynamic": {False: "kARResidualRMSNormDynamicFP8Quant", True: "kARResidualRMSNormOutDynamicFP8Quant"},
+    "fp8_group": {False: "kARResidualRMSNorm", True: "kARResidualRMSNorm"},
+}
+IN_KERNEL_QUANTS = ("fp8_static", "fp8_dynamic")  # FlashInfer writes quant (and scale) itself
 
 
 @dataclass(frozen=True)
@@ -103,7 +119,7 @@ class FlashInferBackend(Backend):
         device_types=frozenset({"cuda"}),
         dtypes=frozenset(dispatch.HALF_DTYPES),
         norms=frozenset(NORM_FORMS),
-        quants=frozenset({"none"}),
+        quants=frozenset(QUANT_KERNELS),
         world_sizes=WORLD_SIZES,
         residual_optional=True,  # fed a zero residual: no FlashInfer pattern norms without one
     ))
@@ -132,6 +148,10 @@ class FlashInferBackend(Backend):
             return f"RMSNorm weight dtype {call.weight_dtype} != input dtype {call.dtype}"
         if call.hidden % 8:
             return f"hidden size {call.hidden} is not a multiple of 8"
+        if call.site.emit_norm not in QUANT_KERNELS[call.site.quant]:
+            return f"no FlashInfer pattern for {call.site.name}"
+        if call.site.quant == "fp8_group" and call.hidden % quant.GROUP_SIZE:
+            return f"hidden size {call.hidden} is not a multiple of the FP8 group size {quant.GROUP_SIZE}"
         if call.nbytes is not None and call.nbytes > dispatch.HARD_MAX_FUSED_BYTES:
             return (f"{call.nbytes} bytes per rank > {dispatch.HARD_MAX_FUSED_BYTES} "
                     "(largest FlashInfer workspace arfusion creates)")
@@ -237,7 +257,7 @@ class FlashInferBackend(Backend):
 
     def run(self, call, x, residual, weight, eps, quant_scale):
         fic = importlib.import_module("flashinfer.comm")
-        state = self._groups[call.group_name]
+        site, state = call.site, self._groups[call.group_name]
         x2 = flatten_tokens(x)
         if residual is not None:
             residual_in = flatten_tokens(residual)
@@ -245,17 +265,33 @@ class FlashInferBackend(Backend):
             residual_in = state.zeros[call.dtype][: x2.numel()].view_as(x2)
         else:  # first use of a residual-free site inside a capture: a memset in the graph
             residual_in = torch.zeros_like(x2)
-        residual_out = torch.empty_like(x2)
-        norm_out = torch.empty_like(x2)
+        in_kernel = site.quant in IN_KERNEL_QUANTS
+        # Everything preallocated (CUDA graphs); the norm is written only when someone reads it.
+        produced = {"residual": torch.empty_like(x2),
+                    "norm": torch.empty_like(x2) if site.emit_norm or not in_kernel else None}
+        quant_out = scale_out = scale_factor = None
+        if in_kernel:
+            quant_out = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x2.device)
+        if site.quant == "fp8_dynamic":
+            scale_out = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x2.device)
+        if site.quant == "fp8_static":
+            # Read on the GPU in place, so a captured graph follows updates to the scale; a
+            # Python float would be copied to the device on every call.
+            scale_factor = quant_scale.to(device=x2.device, dtype=torch.float32).reshape(1)
         fic.allreduce_fusion(
             input=x2, workspace=state.workspace,
-            pattern=fic.AllReduceFusionPattern.kARResidualRMSNorm,
+            pattern=getattr(fic.AllReduceFusionPattern, QUANT_KERNELS[site.quant][site.emit_norm]),
             launch_with_pdl=self.launch_with_pdl, trigger_completion_at_end=True,
-            residual_out=residual_out, norm_out=norm_out, residual_in=residual_in,
+            residual_out=produced["residual"], norm_out=produced["norm"], residual_in=residual_in,
+            quant_out=quant_out, scale_out=scale_out, scale_factor=scale_factor,
             rms_gamma=weight.contiguous(), rms_eps=float(eps),
             use_oneshot=self.use_oneshot(call), fp32_acc=self.fp32_acc,
-            weight_bias=1.0 if call.site.norm == "gemma_rms" else 0.0)
-        return [residual_out, norm_out]
+            weight_bias=1.0 if site.norm == "gemma_rms" else 0.0)
+        if in_kernel:
+            produced.update(quant=quant_out, scale=scale_out)
+        elif site.quant == "fp8_group":
+            produced.update(_group_quant(produced["norm"]))
+        return [produced[name] for name in site.outputs()]
 
     def workspace(self, group_name: str):
         """The live workspace of a group, or None (benchmarks use it to call FlashInfer directly)."""
@@ -283,6 +319,13 @@ class FlashInferBackend(Backend):
                 except Exception:
                     pass
         self._groups.clear()
+
+
+def _group_quant(normed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """arfusion.quant.fp8_group as one Inductor kernel after FlashInfer's norm."""
+    from ..ops import compiled  # the op module imports the backends: import at call time
+
+    return compiled(quant.fp8_group)(normed)
 
 
 # ----------------------------------------------------------------- environment checks
