@@ -101,3 +101,43 @@ class TinyDecoder(nn.Module):
                 residual = residual + y
                 normed = self.norms[1 + 2 * i + j](residual)
         return normed
+
+
+# ------------------------------------------------------------------ FP8 activation quant
+# In the style of FP8 checkpoints' activation quant (static per-tensor, per-group 128), written
+# the way such code writes it: int clamp bounds, a 0-d or 1-element fp32 scale.
+
+FP8 = torch.float8_e4m3fn
+
+
+def quant_static(y, scale, fp32_divide=False):
+    y = y.float() if fp32_divide else y
+    return (y / scale).clamp(-448, 448).to(FP8)
+
+
+def quant_group(y, group=128):
+    x = y.float()
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
+    return (groups / scale).clamp(-448, 448).to(FP8).reshape(x.shape), scale.squeeze(-1)
+
+
+class NormThenQuant(RowParallelThenNorm):
+    """all_reduce -> [add] -> norm -> FP8 quant. `keep_norm` also returns the bf16 norm output
+    (it is used elsewhere), so the fused op must produce it too."""
+
+    def __init__(self, hidden, quant="static", residual="first", keep_norm=False, dtype=torch.bfloat16,
+                 scale_shape=(), clamp=448):
+        super().__init__(hidden, residual=residual, dtype=dtype)
+        self.quant, self.keep_norm, self.clamp = quant, keep_norm, clamp
+        self.register_buffer("scale", torch.full(scale_shape, 0.02))
+
+    def forward(self, x, residual):
+        normed, h = super().forward(x, residual)
+        if self.quant == "static":
+            outs = ((normed / self.scale).clamp(-self.clamp, self.clamp).to(FP8),)
+        elif self.quant == "static_fp32":
+            outs = (quant_static(normed, self.scale, fp32_divide=True),)
+        else:
+            outs = quant_group(normed)
+        return (*outs, h, normed) if self.keep_norm else (*outs, h)
