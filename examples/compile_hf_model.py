@@ -49,6 +49,43 @@ def save_random_model(config, dtype) -> str:
     return path[0]
 
 
+# Activation quant in front of the linears that read a norm, spelled as FP8 checkpoints and
+# torchao spell it, then dequantized so the matmul runs anywhere (a real FP8 model would hand
+# the FP8 tensor and scale to an FP8 matmul; the quant is what arfusion fuses either way).
+FP8 = torch.float8_e4m3fn
+NORM_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def fp8_static(x, scale):
+    return (x / scale).clamp(-448, 448).to(FP8).to(x.dtype) * scale.to(x.dtype)
+
+
+def fp8_dynamic(x):  # torchao's per-row spelling (Float8DynamicActivationFloat8WeightConfig, PerRow)
+    scale = (x.abs().amax(dim=x.dim() - 1, keepdim=True) / 448.0).to(torch.float32)
+    return ((x.to(torch.float32) / scale).clamp(-448.0, 448.0).to(FP8).to(torch.float32) * scale).to(x.dtype)
+
+
+def fp8_group(x, group=128):
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
+    q = (g / scale).clamp(-448, 448).to(FP8).reshape(x.shape)
+    # Consumed as an FP8 GEMM reads it: [T, H] values with [T, H / 128] scales.
+    return (q.float() * scale.squeeze(-1).repeat_interleave(group, dim=-1)).to(x.dtype)
+
+
+def add_activation_quant(model, mode: str) -> None:
+    """One quantizer per norm output: q/k/v (and gate/up) of a layer share its static scale."""
+    scales = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in NORM_READERS:
+            continue
+        block = name.rsplit(".", 2)[0]  # layers.i.self_attn.q_proj -> layers.i
+        scale = scales.setdefault(block + name.split(".")[-2], torch.tensor(0.05, device=module.weight.device))
+        quantize = {"fp8-static": lambda x, s=scale: fp8_static(x, s), "fp8-dynamic": fp8_dynamic,
+                    "fp8-group": fp8_group}[mode]
+        module.register_forward_pre_hook(lambda mod, args, q=quantize: (q(args[0]), *args[1:]))
+
+
 @torch.no_grad()
 def greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
     for _ in range(steps):
@@ -67,6 +104,8 @@ def main() -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "flashinfer", "aiter", "torch"])
     p.add_argument("--tokens", type=int, default=8, help="prompt length")
     p.add_argument("--steps", type=int, default=16, help="greedy decoding steps")
+    p.add_argument("--quant", default="none", choices=["none", "fp8-static", "fp8-dynamic", "fp8-group"],
+                   help="FP8 activation quant after each norm (fused into the same op)")
     args = p.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -85,7 +124,10 @@ def main() -> None:
     config = tiny_config(args.model_type, args.layers, args.hidden, world)
     path = save_random_model(config, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto").eval()
-    say(f"{args.model_type}: {args.layers} layers, hidden {args.hidden}, {args.dtype}, TP={world} on {device}")
+    if args.quant != "none":
+        add_activation_quant(model, args.quant)
+    say(f"{args.model_type}: {args.layers} layers, hidden {args.hidden}, {args.dtype}, quant {args.quant}, "
+        f"TP={world} on {device}")
 
     torch.manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), device=device)
@@ -113,7 +155,7 @@ def main() -> None:
     say(f"greedy tokens, uncompiled: {ref_tokens}")
     say(f"greedy tokens, compiled:   {tokens}")
     say(f"same tokens: {tokens == ref_tokens}; first compile + run {compile_s:.1f}s")
-    say(json.dumps({"model_type": args.model_type, "layers": args.layers, "world": world,
+    say(json.dumps({"model_type": args.model_type, "quant": args.quant, "layers": args.layers, "world": world,
                     "fused_sites": fused["fused_sites"], "by_pattern": fused["by_pattern"],
                     "dispatch": stats["dispatch"], "max_rel_diff": rel_diff,
                     "tokens_match": tokens == ref_tokens, "tokens": tokens, "ref_tokens": ref_tokens}))

@@ -14,10 +14,10 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compile_hf_model.p
 LAYERS = 2
 
 
-def run_example(model_type: str) -> dict:
+def run_example(model_type: str, *extra: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--standalone", str(EXAMPLE), "--model-type", model_type,
-           "--layers", str(LAYERS), "--steps", "4"]
+           "--layers", str(LAYERS), "--steps", "4", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -37,3 +37,12 @@ def test_example_fuses_every_site_and_matches_eager(model_type, sites):
     assert result["fused_sites"] == sites, result
     assert result["dispatch"] == ({"torch": result["dispatch"]["torch"]} if sites else {})
     assert result["max_rel_diff"] < 2e-2  # bf16 noise: a few ulps of the largest logit
+
+
+def test_example_fuses_the_fp8_quant_after_each_norm():
+    result = run_example("llama", "--quant", "fp8-dynamic")
+    # Every norm feeding q/k/v or gate/up carries the quant; the final norm (lm_head) does not.
+    assert result["by_pattern"] == {"allreduce_rmsnorm_fp8_dynamic": 1,
+                                    "allreduce_add_rmsnorm_fp8_dynamic": 2 * LAYERS - 1,
+                                    "allreduce_add_rmsnorm": 1}, result
+    assert result["max_rel_diff"] < 5e-2  # FP8 rounding of the activations, not bf16 noise
