@@ -28,6 +28,10 @@ def log_once(message: str) -> None:
         log.info(message)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 @functools.cache
 def compiled(fn):
     """`fn` under torch.compile(dynamic=True), compiled on first use, never during CUDA-graph
@@ -38,20 +42,33 @@ def compiled(fn):
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
                              fn.__closure__)
     fast = torch.compile(own, dynamic=True)
+    broken: list[str] = []
 
     def run(*args, **kwargs):
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            with torch.compiler.set_stance("eager_on_recompile"):
-                return fast(*args, **kwargs)
-        return fast(*args, **kwargs)
+        if broken:
+            return fn(*args, **kwargs)
+        try:
+            if _capturing():
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    return fast(*args, **kwargs)
+            return fast(*args, **kwargs)
+        except Exception as e:  # e.g. no working Triton: stay correct, just slower
+            broken.append(f"{type(e).__name__}: {e}")
+            log_once(f"arfusion: compiling {fn.__name__} failed, running it eagerly: {broken[0][:300]}")
+            return fn(*args, **kwargs)
 
     return run
 
 
+def compiles_fallback(device: torch.device) -> bool:
+    """Whether a declined call runs the compiled unfused path (GPUs) or the eager reference."""
+    return device.type == "cuda"
+
+
 def unfused(x, residual, weight, eps, group_name, site, quant_scale):
-    """The unfused result. On a GPU, NCCL all-reduce + one compiled add+RMSNorm(+quant) kernel:
-    the eager reference is 1.6-2.3x slower there (and it is what a declined call costs)."""
-    if x.device.type != "cuda":
+    """The unfused result. On a GPU: NCCL all-reduce + one compiled add+RMSNorm(+quant) kernel,
+    since the eager reference is 1.6-2.3x slower there. Elsewhere the eager reference."""
+    if not compiles_fallback(x.device):
         return reference.unfused(x, residual, weight, eps, group_name, site, quant_scale)
     reduced = reference.all_reduce_sum(x, group_name)
     return compiled(reference.add_rms_norm)(reduced, residual, weight, eps, site, quant_scale)

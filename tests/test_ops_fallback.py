@@ -1,0 +1,92 @@
+"""The fused op's run-time fallback: compiled on GPUs, eager reference elsewhere (CPU, gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+from arfusion import ops, reference
+from arfusion.backends.base import Site
+
+SITE = Site(residual=True, norm="rms", quant="fp8_dynamic", emit_norm=True)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def declined_call(group_name, x, res, w):
+    # backend "flashinfer" on a CPU tensor: declined at run time, so the op computes the fallback
+    return torch.ops.arfusion.fused_allreduce_rmsnorm(
+        x, res, w, 1e-6, None, group_name, SITE.norm, SITE.quant, None, SITE.emit_norm, "flashinfer", -1)
+
+
+def inputs():
+    torch.manual_seed(0)
+    return (torch.randn(5, 256, dtype=torch.bfloat16), torch.randn(5, 256, dtype=torch.bfloat16),
+            (1 + 0.1 * torch.randn(256)).to(torch.bfloat16))
+
+
+def test_cpu_fallback_is_the_eager_reference(world_of_one, monkeypatch):
+    monkeypatch.setattr(ops, "compiled", lambda fn: pytest.fail("compiled on CPU"))
+    x, res, w = inputs()
+    got = declined_call(world_of_one, x, res, w)
+    want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
+    assert all(torch.equal(g.float(), r.float()) for g, r in zip(got, want))
+
+
+def test_gpu_fallback_is_all_reduce_plus_compiled_norm(world_of_one, monkeypatch):
+    monkeypatch.setattr(ops, "compiles_fallback", lambda device: True)  # as on CUDA
+    used, real = [], ops.compiled
+    monkeypatch.setattr(ops, "compiled", lambda fn: used.append(fn) or real(fn))
+    reduced = []
+    real_ar = reference.all_reduce_sum
+    monkeypatch.setattr(reference, "all_reduce_sum", lambda x, g: reduced.append(g) or real_ar(x, g))
+    x, res, w = inputs()
+    got = declined_call(world_of_one, x, res, w)
+    assert used == [reference.add_rms_norm] and reduced == [world_of_one]
+    want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    assert torch.equal(got[0], want[0])
+    assert torch.allclose(got[1].float(), want[1].float(), atol=2e-2, rtol=2e-2)
+    assert torch.allclose(got[3], want[3], rtol=1e-2)
+
+
+def _norm_only(h):  # a function of its own: `compiled` caches per function
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_never_compiles_during_capture(monkeypatch):
+    counters.clear()
+    fast = ops.compiled(_norm_only)
+    h = torch.randn(4, 64)
+    monkeypatch.setattr(ops, "_capturing", lambda: True)
+    assert torch.allclose(fast(h), _norm_only(h))  # capturing, nothing compiled yet: eager
+    assert counters["stats"]["unique_graphs"] == 0
+    monkeypatch.setattr(ops, "_capturing", lambda: False)
+    fast(h)  # the first eager call compiles
+    assert counters["stats"]["unique_graphs"] == 1
+    monkeypatch.setattr(ops, "_capturing", lambda: True)
+    h7 = torch.randn(7, 64)
+    assert torch.allclose(fast(h7), _norm_only(h7), atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1  # dynamic shapes: no new graph in the capture
+    fast(torch.randn(7, 64, dtype=torch.float64))  # would need a recompile: runs eagerly instead
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_failing_compile_falls_back_to_eager(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("no triton")
+
+    def _double(h):
+        return 2 * h
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: boom)
+    fast = ops.compiled(_double)
+    assert torch.equal(fast(torch.ones(2)), torch.full((2,), 2.0))
