@@ -323,6 +323,9 @@ def _reference_layout_problem(call: Call, fp8: torch.dtype) -> str | None:
     except Exception as e:
         return f"reference quant layout unknown ({type(e).__name__}: {e})"
     produced = _kernel_quant_layout(call.site.quant, 2, call.hidden, fp8)
+    # The FP8 dtype follows the GPU arch on both sides (quant.fp8_dtype and LIMITS.fp8_dtypes);
+    # a meta-device probe cannot tell gfx942 from the rest, so compare the quant's layout only.
+    expected = ((fp8, *expected[0][1:]), expected[1])
     if expected != produced:
         return f"aiter's quant outputs {produced} differ from the reference's {expected}"
     return None
