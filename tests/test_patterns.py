@@ -202,3 +202,17 @@ def test_one_info_line_per_graph(fake_pg, caplog):
         compile_and_inspect(TinyDecoder(HIDDEN, 1), torch.randn(1, 3, HIDDEN, dtype=torch.bfloat16))
     lines = [r.getMessage() for r in caplog.records if "fused 3 site(s)" in r.getMessage()]
     assert len(lines) == 1 and "0 all_reduce left unfused" in lines[0]
+
+
+def test_patterns_register_without_a_live_process_group():
+    """Registration traces under fake tensors: no collective runs, no group needs to exist."""
+    import torch.distributed as dist
+    from torch._inductor.pattern_matcher import PatternMatcherPass
+
+    from arfusion import patterns
+
+    assert not dist.is_initialized()
+    matcher = PatternMatcherPass(pass_name="probe")
+    specs = patterns.all_specs(arfusion.PassConfig().quant_forms)
+    patterns.register(matcher, specs[:12] + specs[-12:], "no-such-group", "torch", -1, lambda s, m: True)
+    assert sum(len(v) for v in matcher.patterns.values()) == 24
