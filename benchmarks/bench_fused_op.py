@@ -14,6 +14,14 @@ aligned by a barrier before each replay):
   c   arfusion's op with FlashInfer forced at every size (up to 64 MiB per rank)
 With --variants (first hidden only), FlashInfer forced one-shot / two-shot at every size, and for
 T <= 512 with PDL off, fp32 accumulation off, and both off (how the probe calls FlashInfer).
+
+With --quant fp8_static fp8_dynamic fp8_group (writes bench_quant_w<world>.json), the same
+columns with the norm followed by FP8 quantization spelled as real code spells it (the spellings
+the pass matches; only the quantized output and the residual are used):
+  a   NCCL all_reduce (on a copy) + torch.compile'd add+RMSNorm+quant
+  a0  the same with the all_reduce in place
+  b   the function compiled with the pass (static shapes)
+  c   arfusion's op with FlashInfer forced (per-group: FlashInfer's norm + one compiled quant kernel)
 """
 
 from __future__ import annotations
@@ -39,6 +47,42 @@ def hf_rms_norm(h, weight):
 def add_norm(y, residual, weight):
     h = residual + y
     return hf_rms_norm(h, weight), h
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def quantize(form, normed, scale):
+    """FP8 quantization of the norm output, spelled as the traced real code spells it."""
+    if form == "fp8_static":  # FP8 checkpoints' static activation quant, a 0-d fp32 scale
+        return [(normed / scale).clamp(-448, 448).to(FP8)]
+    fmax = torch.finfo(FP8).max
+    if form == "fp8_dynamic":  # torchao 0.18 Float8DynamicActivationFloat8WeightConfig, PerRow
+        amax = normed.abs().amax(dim=normed.dim() - 1, keepdim=True)
+        row_scale = (amax / fmax).to(torch.float32)
+        return [(normed.to(torch.float32) / row_scale).clamp(-fmax, fmax).to(FP8), row_scale]
+    x = normed.float()  # per-group 128, DeepSeek-style act quant
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // 128, 128)
+    group_scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / fmax
+    return [(groups / group_scale).clamp(-fmax, fmax).to(FP8).reshape(x.shape), group_scale.squeeze(-1)]
+
+
+def add_norm_quant(form):
+    def fn(y, residual, weight, scale):
+        h = residual + y
+        return [h, *quantize(form, hf_rms_norm(h, weight), scale)]
+
+    return fn
+
+
+def make_quant_model_fn(group_name, form):
+    from arfusion.reference import all_reduce_sum
+
+    def layer_boundary(x, residual, weight, scale):  # residual, quant[, scale]
+        h = residual + all_reduce_sum(x, group_name)
+        return [h, *quantize(form, hf_rms_norm(h, weight), scale)]
+
+    return layer_boundary
 
 
 def make_model_fn(group_name):
@@ -181,8 +225,117 @@ def run(args):
     dist.destroy_process_group()
 
 
+def run_quant(args):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
+    import compat_torch211
+
+    compat_torch211.install()
+    import arfusion
+    from arfusion import quant, reference, tuning
+    from arfusion.backends import flashinfer_dispatch as dispatch
+    from arfusion.backends import get_backend
+    from arfusion.backends.base import Call, Site
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    torch._dynamo.config.recompile_limit = 1024
+    torch._dynamo.config.accumulated_recompile_limit = 8192
+    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass
+    say = print if rank == 0 else (lambda *a, **k: None)
+    group, gname = dist.group.WORLD, dist.group.WORLD.group_name
+    backend = get_backend("flashinfer")
+    hidden = args.hidden[0]
+    say(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, world {world}, hidden {hidden}, "
+        f"quant {args.quant}, calls/graph {args.calls or 'auto'}, replays {args.replays}", flush=True)
+    path = os.path.join(args.out, f"bench_quant_w{world}.json")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": world, "hidden": hidden,
+            "calls_per_graph": args.calls or "100 up to 8 MiB, else 20", "replays": args.replays}
+    rows, started = [], time.time()
+    g = torch.Generator(device=device)
+    g.manual_seed(17)
+    weight = (1 + 0.1 * torch.randn(hidden, device=device, generator=g)).to(torch.bfloat16)
+    scale = torch.tensor(0.02, device=device)  # 0-d fp32, as a static checkpoint's input scale
+    for form in args.quant:
+        site = Site(residual=True, norm="rms", quant=form, emit_norm=False)
+        q_scale = scale if form == "fp8_static" else None
+        norm_a = torch.compile(add_norm_quant(form), dynamic=False)
+        model_b = torch.compile(make_quant_model_fn(gname, form), dynamic=False, options=arfusion.inductor_options(
+            arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto")))
+        for t in args.tokens:
+            nbytes = t * hidden * 2
+            calls = args.calls or (100 if nbytes <= 8 * 2**20 else 20)
+            g.manual_seed(1000 + rank)
+            x = torch.randn(t, hidden, device=device, dtype=torch.bfloat16, generator=g)
+            g.manual_seed(2000)
+            res = torch.randn(t, hidden, device=device, dtype=torch.bfloat16, generator=g)
+            x_inplace = x.clone()
+            row = {"world": world, "hidden": hidden, "tokens": t, "quant": form, "bytes_per_rank": nbytes}
+
+            def unfused_copy():
+                y = x.clone()
+                dist.all_reduce(y, group=group)
+                return norm_a(y, res, weight, scale)
+
+            def unfused_inplace():
+                dist.all_reduce(x_inplace, group=group)
+                return norm_a(x_inplace, res, weight, scale)
+
+            def quant_err(outs):
+                """rel L2 of the dequantized output vs the eager reference (and of the scale)."""
+                want = dict(zip(site.outputs(), reference.unfused(x, res, weight, EPS, gname, site, q_scale)))
+                got = dict(zip(site.outputs(), outs))
+                deq = [quant.dequantize(d["quant"], d.get("scale", q_scale), form) for d in (got, want)]
+                err = {"quant": rel_err(deq[0], deq[1])}
+                if "scale" in want:
+                    err["scale"] = rel_err(got["scale"], want["scale"])
+                return err
+
+            row["a_us"] = tuning.time_in_graph(unfused_copy, group, calls, args.replays)
+            row["a0_us"] = tuning.time_in_graph(unfused_inplace, group, calls, args.replays)
+            call = Call(site=site, tokens=t, hidden=hidden, dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+                        world_size=world, device=device, group_name=gname)
+            reason = backend.why_not(call)
+            row["b_path"] = ("fused one-shot" if backend.use_oneshot(call) else "fused two-shot") if reason is None else "unfused"
+            before = arfusion.stats()
+            try:  # an error here is the same on every rank (same shapes): record it, go on
+                row["b_us"] = tuning.time_in_graph(lambda: model_b(x, res, weight, scale), group, calls, args.replays)
+                row["b_err"] = quant_err(model_b(x, res, weight, scale))
+            except Exception as e:
+                row["b_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            after = arfusion.stats()
+            row["b_dispatch"] = {k: v - before["dispatch"].get(k, 0) for k, v in after["dispatch"].items()
+                                 if v != before["dispatch"].get(k, 0)}
+            row["b_patterns"] = sorted(k for k, v in after["by_pattern"].items() if v != before["by_pattern"].get(k, 0))
+            if nbytes <= dispatch.HARD_MAX_FUSED_BYTES:
+                forced = lambda: torch.ops.arfusion.fused_allreduce_rmsnorm(
+                    x, res, weight, EPS, None, gname, "rms", form, q_scale, False, "flashinfer",
+                    dispatch.HARD_MAX_FUSED_BYTES)
+                try:
+                    row["c_us"] = tuning.time_in_graph(forced, group, calls, args.replays)
+                    row["c_err"] = quant_err(forced())
+                except Exception as e:
+                    row["c_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            say(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            if rank == 0:  # after every row: a stage cut short still leaves its rows
+                os.makedirs(args.out, exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump({"meta": {**meta, "seconds": round(time.time() - started)}, "rows": rows}, f, indent=1)
+    dist.barrier()
+    backend.close()
+    if rank == 0:
+        print(format_table(rows))
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def format_table(rows):
-    head = (f"{'world':>5} {'hidden':>6} {'T':>5} {'MiB':>6} {'a us':>7} {'a0 us':>7} {'b us':>7} "
+    head = (f"{'quant':>11} {'world':>5} {'hidden':>6} {'T':>5} {'MiB':>6} {'a us':>7} {'a0 us':>7} {'b us':>7} "
             f"{'c us':>7} {'a/b':>6} {'a0/b':>6} {'a/c':>6} {'1shot':>7} {'2shot':>7}  b path")
     lines = [head]
     for r in rows:
@@ -192,7 +345,7 @@ def format_table(rows):
         def ratio(num, den):
             return f"{r[num] / r[den]:5.2f}x" if num in r and den in r else f"{'-':>6}"
 
-        lines.append(f"{r['world']:>5} {r['hidden']:>6} {r['tokens']:>5} {r['bytes_per_rank'] / 2**20:6.2f} "
+        lines.append(f"{r.get('quant', 'none'):>11} {r['world']:>5} {r['hidden']:>6} {r['tokens']:>5} {r['bytes_per_rank'] / 2**20:6.2f} "
                      f"{us('a_us')} {us('a0_us')} {us('b_us')} {us('c_us')} {ratio('a_us', 'b_us')} "
                      f"{ratio('a0_us', 'b_us')} {ratio('a_us', 'c_us')} {us('fi_1shot_us')} {us('fi_2shot_us')}  "
                      f"{r['b_path']}")
@@ -245,11 +398,15 @@ def main():
     p.add_argument("--calls", type=int, default=0, help="calls per graph (default: 100 up to 8 MiB, else 20)")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--quant", nargs="+", choices=("fp8_static", "fp8_dynamic", "fp8_group"),
+                   help="quant rows instead (first --hidden only): NCCL + compiled add+RMSNorm+quant vs fused")
     p.add_argument("--plot", nargs="+", help="bench_w*.json files to plot instead of measuring")
     p.add_argument("--png", default="bench_fused_op.png")
     args = p.parse_args()
     if args.plot:
         plot(args.plot, args.png)
+    elif args.quant:
+        run_quant(args)
     else:
         run(args)
 

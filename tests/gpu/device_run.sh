@@ -40,6 +40,19 @@ for s in "$@"; do
     probe4) stage probe4 "${LIMIT:-90}" $TORCHRUN 4 .device/probe_flashinfer_direct.py ;;
     tune4) stage tune4 "${LIMIT:-70}" $TORCHRUN 4 -m arfusion.cli tune --hidden 4096 --tokens 1,8,32,64,128,192,256,384,512 --cache "$OUT/tuning.json" ;;
     tune2) stage tune2 "${LIMIT:-60}" $TORCHRUN 2 -m arfusion.cli tune --hidden 4096 --tokens 1,8,64,256,1024,4096,8192 --cache "$OUT/tuning.json" ;;
+    qchecks2) stage qchecks2 "${LIMIT:-150}" $TORCHRUN 2 tests/gpu/check_quant.py ;;
+    qchecks4) stage qchecks4 "${LIMIT:-150}" $TORCHRUN 4 tests/gpu/check_quant.py ;;
+    qbench2) stage qbench2 "${LIMIT:-200}" $TORCHRUN 2 benchmarks/bench_fused_op.py --hidden 4096 \
+      --tokens 1 8 32 128 512 2048 8192 --quant fp8_static fp8_dynamic fp8_group --out "$OUT" ;;
+    qbench4) stage qbench4 "${LIMIT:-200}" $TORCHRUN 4 benchmarks/bench_fused_op.py --hidden 4096 \
+      --tokens 1 8 32 128 512 2048 8192 --quant fp8_static fp8_dynamic fp8_group --out "$OUT" ;;
+    qchecks2+qbench2)  # correctness on GPUs 2,3 beside the timing on GPUs 0,1
+      (CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29611 bash "$0" qchecks2 >/tmp/qchecks2.log 2>&1) &
+      CUDA_VISIBLE_DEVICES=0,1 bash "$0" qbench2
+      wait
+      cat /tmp/qchecks2.log ;;
+    point4) stage point4 "${LIMIT:-60}" $TORCHRUN 4 benchmarks/bench_fused_op.py --hidden 4096 --tokens 2048 \
+      --replays 300 --out "$OUT/point4" ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
