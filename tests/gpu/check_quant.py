@@ -42,14 +42,15 @@ def op(x, res, w, site, group_name, max_bytes, scale):
         "flashinfer", max_bytes)
 
 
-def compare(site, got, want, scale, weight):
+def compare(site, got, want, scale, weight, fused):
     """Failure strings (empty when within tolerance) and the errors seen.
 
     Two views of the quantized output: end to end against the reference on the same inputs
     ("quant", "scale": the bf16 all-reduce's summation order differs between NCCL and the fused
     kernel, and a flipped bf16 rounding of the norm moves an FP8 value one step: ~1-3e-2 rel L2
     at T=1), and against the reference quantization of the op's own norm ("quant_own",
-    "scale_own": the quantization alone, near exact when the norm is emitted)."""
+    "scale_own": the quantization alone: near exact where FlashInfer emits the norm it quantized;
+    Inductor's compiled fallback quantizes the fp32 value before it rounds the norm to bf16)."""
     got, want = dict(zip(site.outputs(), got)), dict(zip(site.outputs(), want))
     bad, errs = [], {}
     for name in ("residual", "norm"):
@@ -67,7 +68,7 @@ def compare(site, got, want, scale, weight):
     deq = {key: quant.dequantize(d["quant"], d.get("scale", scale), site.quant)
            for key, d in (("got", got), ("want", want), ("own", own))}
     errs["quant"], errs["quant_own"] = cf.error(deq["got"], deq["want"])[0], cf.error(deq["got"], deq["own"])[0]
-    if errs["quant"] > 4e-2 or errs["quant_own"] > (5e-3 if site.emit_norm else 4e-2):
+    if errs["quant"] > 4e-2 or errs["quant_own"] > (5e-3 if site.emit_norm and fused else 4e-2):
         bad.append(f"dequantized rel {errs['quant']:.2e} (own norm {errs['quant_own']:.2e})")
     if "scale" in want:
         if got["scale"].shape != want["scale"].shape or got["scale"].dtype != torch.float32:
@@ -126,7 +127,7 @@ def check_sites(checks, backend, group, tokens_list, in_graph, max_bytes, label,
             if want_path not in ran:
                 failures.append(f"T={tokens} {site.name}: expected {want_path}, ran {ran}")
             for got_, want_ in pairs:
-                bad, worst = compare(site, got_, want_, q_scale, w)
+                bad, worst = compare(site, got_, want_, q_scale, w, want_path == "flashinfer")
                 for k, v in worst.items():
                     key = f"{site.quant}/{k}"
                     worst_all[key] = max(worst_all.get(key, 0.0), v)

@@ -51,6 +51,12 @@ for s in "$@"; do
       CUDA_VISIBLE_DEVICES=0,1 bash "$0" qbench2
       wait
       cat /tmp/qchecks2.log ;;
+    probeq) stage probeq "${LIMIT:-120}" python tests/gpu/probe_group_quant.py ;;
+    probeq+qchecks2)  # the one-GPU probe on GPU 0 beside the TP=2 checks on GPUs 2,3
+      (CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29611 bash "$0" qchecks2 >/tmp/qchecks2.log 2>&1) &
+      CUDA_VISIBLE_DEVICES=0 bash "$0" probeq
+      wait
+      cat /tmp/qchecks2.log ;;
     point4) stage point4 "${LIMIT:-60}" $TORCHRUN 4 benchmarks/bench_fused_op.py --hidden 4096 --tokens 2048 \
       --replays 300 --out "$OUT/point4" ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
