@@ -32,22 +32,33 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _mark_token_dims(args) -> None:
+    # Token counts vary, hidden sizes do not: only the leading dims are symbolic. A fully dynamic
+    # compile (dynamic=True, hidden symbolic too) made the per-group quant kernel 2-5x slower on
+    # H200 (10.5 vs 54.5 us at 2048 x 4096; docs/benchmarks.md).
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() >= 2:
+            for d in range(a.dim() - 1):
+                torch._dynamo.maybe_mark_dynamic(a, d)
+
+
 @functools.cache
 def compiled(fn):
-    """`fn` under torch.compile(dynamic=True), compiled on first use, never during CUDA-graph
-    capture: there Inductor would compile and benchmark kernels outside the graph, so a capture
-    runs code compiled earlier when its guards pass and `fn` eagerly otherwise."""
+    """`fn` under torch.compile, token dims dynamic, compiled on first use and never during
+    CUDA-graph capture: there Inductor would compile and benchmark kernels outside the graph, so
+    a capture runs code compiled earlier when its guards pass and `fn` eagerly otherwise."""
     # A private copy of the code object: dynamo's recompile limit (8) counts entries per code
     # object, and each site (and T == 1, dtype) is an entry of its own.
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
                              fn.__closure__)
-    fast = torch.compile(own, dynamic=True)
+    fast = torch.compile(own)
     broken: list[str] = []
 
     def run(*args, **kwargs):
         if broken:
             return fn(*args, **kwargs)
         try:
+            _mark_token_dims(args)
             if _capturing():
                 with torch.compiler.set_stance("eager_on_recompile"):
                     return fast(*args, **kwargs)

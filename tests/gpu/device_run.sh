@@ -43,9 +43,9 @@ for s in "$@"; do
     qchecks2) stage qchecks2 "${LIMIT:-150}" $TORCHRUN 2 tests/gpu/check_quant.py ;;
     qchecks4) stage qchecks4 "${LIMIT:-150}" $TORCHRUN 4 tests/gpu/check_quant.py ;;
     qbench2) stage qbench2 "${LIMIT:-200}" $TORCHRUN 2 benchmarks/bench_fused_op.py --hidden 4096 \
-      --tokens 1 8 32 128 512 2048 8192 --quant fp8_static fp8_dynamic fp8_group --out "$OUT" ;;
+      --tokens 1 8 32 128 512 2048 8192 --quant ${QUANTS:-fp8_static fp8_dynamic fp8_group} --out "$OUT" ;;
     qbench4) stage qbench4 "${LIMIT:-200}" $TORCHRUN 4 benchmarks/bench_fused_op.py --hidden 4096 \
-      --tokens 1 8 32 128 512 2048 8192 --quant fp8_static fp8_dynamic fp8_group --out "$OUT" ;;
+      --tokens 1 8 32 128 512 2048 8192 --quant ${QUANTS:-fp8_static fp8_dynamic fp8_group} --out "$OUT" ;;
     qchecks2+qbench2)  # correctness on GPUs 2,3 beside the timing on GPUs 0,1
       (CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29611 bash "$0" qchecks2 >/tmp/qchecks2.log 2>&1) &
       CUDA_VISIBLE_DEVICES=0,1 bash "$0" qbench2
