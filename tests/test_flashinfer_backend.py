@@ -471,7 +471,7 @@ def test_quant_sites_run_the_right_flashinfer_pattern(two_rank_results):
         assert quant["compiled"] == ["fp8_group"] * sum(s.quant == "fp8_group" for s in QUANT_SITES)
 
 
-@pytest.mark.parametrize("quant", ["fp8_static", "fp8_dynamic", "fp8_group"])
+@pytest.mark.parametrize("quant", ["fp8_static", "fp8_dynamic"])
 def test_quant_sites_share_the_unquantized_thresholds(backend, quant):
     # Measured on H200 (FIELD_NOTES §7): the FP8 rows cross over where the plain rows do.
     for emit_norm in (False, True):
@@ -479,6 +479,14 @@ def test_quant_sites_share_the_unquantized_thresholds(backend, quant):
         assert backend.why_not(call(1024, site=site)) is None
         assert "> cap" in backend.why_not(call(1025, site=site))
         assert backend.use_oneshot(call(256, site=site)) and not backend.use_oneshot(call(257, site=site))
+
+
+def test_per_group_fp8_has_its_own_cap_at_world_4(backend):
+    group = Site(residual=True, norm="rms", quant="fp8_group")
+    assert backend.why_not(call(512, site=group)) is None  # 4 MiB, measured 1.04x
+    assert "per-group FP8 cap" in backend.why_not(call(513, site=group))
+    assert backend.why_not(call(4096, world=2, site=group)) is None  # world 2: the table's 32 MiB
+    assert backend.why_not(call(1024, site=group), max_bytes_override=8 * MiB) is None  # user's cap wins
 
 
 def test_quant_guards(backend):

@@ -177,6 +177,10 @@ class FlashInferBackend(Backend):
                 return (f"no dispatch entry for SM {device_facts(_device_index(call.device)).sm[0]}x, "
                         f"world size {call.world_size}, {call.dtype} (run `arfusion tune`)")
             cap, source = limits.max_fused_bytes, limits.source
+            group_cap = (dispatch.group_quant_cap(device_facts(_device_index(call.device)).sm[0], call.world_size)
+                         if call.site.quant == "fp8_group" else None)
+            if group_cap is not None and group_cap < cap:
+                cap, source = group_cap, "per-group FP8 cap (GROUP_QUANT_MAX_MIB)"
         if call.nbytes is not None and call.nbytes > cap:
             return f"{call.nbytes} bytes per rank > cap {cap} ({source})"
         return None

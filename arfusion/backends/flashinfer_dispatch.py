@@ -60,6 +60,12 @@ _SEED_16BIT: dict[tuple[int, int], tuple[float, float]] = {
     (10, 8): (1, 1),
 }
 
+# Per-group FP8 runs FlashInfer's plain kernel and then a compiled quant kernel. On H200 at
+# world 4 that quant kernel took 3-4x its standalone time behind the two-shot kernel (forced
+# fusion at 16 MiB: 0.80x of unfused); at 4 MiB fusion still won (1.04x); 8 MiB is unmeasured.
+# So per-group sites fuse only up to this many MiB there (static/dynamic FP8 use the table).
+GROUP_QUANT_MAX_MIB: dict[tuple[int, int], float] = {(9, 4): 4}
+
 SEED_TABLE: dict[tuple[int, int, torch.dtype], Limits] = {
     (sm, ws, dtype): Limits(int(cap * MiB), int(one * MiB), f"seed table SM{sm}x world {ws}")
     for (sm, ws), (cap, one) in _SEED_16BIT.items() for dtype in HALF_DTYPES
@@ -118,6 +124,12 @@ def limits_for(sm_major: int, gpu_name: str, world_size: int, hidden: int,
     return SEED_TABLE.get((sm_major, world_size, dtype))
 
 
+def group_quant_cap(sm_major: int, world_size: int) -> int | None:
+    """Bytes per rank up to which a per-group FP8 site may fuse, beyond the table; None: no limit."""
+    mib = GROUP_QUANT_MAX_MIB.get((sm_major, world_size))
+    return None if mib is None else int(mib * MiB)
+
+
 def use_oneshot(limits: Limits, tokens: int, nbytes: int, world_size: int) -> bool:
     # Two-shot splits tokens across ranks and asserts tokens > world size.
     return tokens <= world_size or nbytes <= limits.oneshot_max_bytes
@@ -127,4 +139,5 @@ def table_hash() -> str:
     """Identifies every input of dispatch; compared across ranks before a workspace is used."""
     seed = repr(sorted((k[0], k[1], str(k[2]), v.max_fused_bytes, v.oneshot_max_bytes)
                        for k, v in SEED_TABLE.items()))
+    seed += repr(sorted(GROUP_QUANT_MAX_MIB.items()))
     return hashlib.sha256(f"{seed}|{cache_hash()}".encode()).hexdigest()[:16]
