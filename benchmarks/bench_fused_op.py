@@ -113,12 +113,6 @@ def rel_err(got, want):
 
 
 def run(args):
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
-    import compat_torch211  # torch 2.11: see that module
-
-    compat_torch211.install()
     import arfusion
     from arfusion import reference, tuning
     from arfusion.backends import flashinfer_dispatch as dispatch
@@ -226,12 +220,6 @@ def run(args):
 
 
 def run_quant(args):
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "gpu"))
-    import compat_torch211
-
-    compat_torch211.install()
     import arfusion
     from arfusion import quant, reference, tuning
     from arfusion.backends import flashinfer_dispatch as dispatch

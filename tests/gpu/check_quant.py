@@ -139,9 +139,6 @@ def check_sites(checks, backend, group, tokens_list, in_graph, max_bytes, label,
 
 
 def main():
-    import compat_torch211
-
-    compat_torch211.install()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda", torch.cuda.current_device())

@@ -42,7 +42,7 @@ def test_fused_op_matches_reference_on_gpus(world):
 def test_hf_example_runs_fused_on_two_gpus():
     if GPUS < 2:
         pytest.skip(f"needs 2 NVIDIA GPUs, found {GPUS}")
-    done = torchrun(2, "tests/gpu/run_example.py", "--backend", "flashinfer")
+    done = torchrun(2, "examples/compile_hf_model.py", "--backend", "flashinfer")
     assert done.returncode == 0, done.stdout[-5000:]
     summary = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
     assert summary["fused_sites"] > 0 and summary["dispatch"].get("flashinfer", 0) > 0, summary
