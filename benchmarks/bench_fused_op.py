@@ -112,6 +112,19 @@ def rel_err(got, want):
     return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
+def init_distributed():
+    """One process per GPU under torchrun; (rank, world, device, print-on-rank-0)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", device_id=device)
+    torch._dynamo.config.recompile_limit = 1024  # one compile per token count and variant
+    torch._dynamo.config.accumulated_recompile_limit = 8192
+    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass
+    say = print if rank == 0 else (lambda *a, **k: None)
+    return rank, world, device, say
+
+
 def run(args):
     import arfusion
     from arfusion import reference, tuning
@@ -119,14 +132,7 @@ def run(args):
     from arfusion.backends import get_backend
     from arfusion.backends.base import Call, Site
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
-    torch._dynamo.config.recompile_limit = 1024
-    torch._dynamo.config.accumulated_recompile_limit = 8192
-    torch._inductor.config.fx_graph_cache = False
-    say = print if rank == 0 else (lambda *a, **k: None)
+    rank, world, device, say = init_distributed()
     group, gname = dist.group.WORLD, dist.group.WORLD.group_name
     backend = get_backend("flashinfer")
     site = Site(residual=True, norm="rms")
@@ -226,14 +232,7 @@ def run_quant(args):
     from arfusion.backends import get_backend
     from arfusion.backends.base import Call, Site
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
-    torch._dynamo.config.recompile_limit = 1024
-    torch._dynamo.config.accumulated_recompile_limit = 8192
-    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass
-    say = print if rank == 0 else (lambda *a, **k: None)
+    rank, world, device, say = init_distributed()
     group, gname = dist.group.WORLD, dist.group.WORLD.group_name
     backend = get_backend("flashinfer")
     hidden = args.hidden[0]

@@ -320,14 +320,20 @@ def main():
             check_subgroup_pair(checks, backend)
         dist.barrier()
         backend.close()
+    finish(checks, device, world, "GPU CHECKS", "gpu_checks")
+
+
+def finish(checks, device, world: int, title: str, stem: str) -> None:
+    """Report the worst rank's failures, save the results under $OUT, exit non-zero on failure."""
+    rank = dist.get_rank()
     failed = torch.tensor([sum(not r["ok"] for r in checks.results)], device=device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"GPU CHECKS world={world}: {len(checks.results)} checks, {int(failed.item())} failed "
+        print(f"{title} world={world}: {len(checks.results)} checks, {int(failed.item())} failed "
               f"on the worst rank, {time.time() - checks.started:.0f}s", flush=True)
         out = os.environ.get("OUT")
         if out:
-            with open(os.path.join(out, f"gpu_checks_w{world}.json"), "w") as f:
+            with open(os.path.join(out, f"{stem}_w{world}.json"), "w") as f:
                 json.dump(checks.results, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -159,18 +158,7 @@ def main():
     check_sites(checks, backend, group, [64, 300, over_cap], True, 0, "quant fallback in CUDA graph", FALLBACK_SITES)
     dist.barrier()
     backend.close()
-    failed = torch.tensor([sum(not r["ok"] for r in checks.results)], device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        print(f"GPU QUANT CHECKS world={world}: {len(checks.results)} checks, {int(failed.item())} failed "
-              f"on the worst rank, {time.time() - checks.started:.0f}s", flush=True)
-        out = os.environ.get("OUT")
-        if out:
-            with open(os.path.join(out, f"gpu_quant_checks_w{world}.json"), "w") as f:
-                json.dump(checks.results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(1 if failed.item() else 0)
+    cf.finish(checks, device, world, "GPU QUANT CHECKS", "gpu_quant_checks")
 
 
 if __name__ == "__main__":
