@@ -7,6 +7,7 @@ a backend accepts, and logs one line per graph.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections import Counter
@@ -36,6 +37,7 @@ _registered: dict[tuple[str, str], tuple[PatternMatcherPass, set]] = {}
 _owner: dict[tuple[str, str], "ArFusionPass"] = {}
 
 
+@functools.cache  # the sources do not change within a process; hash them once, not per compile
 def _source_hash() -> str:
     files = tuple(sorted(str(p) for p in Path(__file__).parent.rglob("*.py")))
     return get_hash_for_files(files).hex()

@@ -289,15 +289,21 @@ def check_weight_dtype_guard(checks):
     checks.record("fp32 weight with bf16 input falls back", ok and ran == {"fallback": 1}, f"dispatch {ran}")
 
 
-def main():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+def start_distributed(recompile_limit: int):
+    """One process per GPU under torchrun; (rank, world, device)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", device_id=device)
-    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.recompile_limit = recompile_limit
     torch._dynamo.config.accumulated_recompile_limit = 4096
     torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass
+    return rank, world, device
+
+
+def main():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    rank, world, device = start_distributed(recompile_limit=256)
     checks = Checks(rank)
     backend = get_backend("flashinfer")
     if isinstance(backend, str) or backend.unavailable(device):

@@ -138,12 +138,7 @@ def check_sites(checks, backend, group, tokens_list, in_graph, max_bytes, label,
 
 
 def main():
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", device_id=device)
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.accumulated_recompile_limit = 4096
+    rank, world, device = cf.start_distributed(recompile_limit=64)
     checks = cf.Checks(rank)
     backend = get_backend("flashinfer")
     group = dist.group.WORLD
