@@ -1,0 +1,81 @@
+"""The end-to-end benchmark's --tiny mode, as CI runs it: torchrun, 2 processes, gloo on CPU.
+
+Timings on a shared 2-core CPU mean nothing; what is checked is that every phase runs, the pass
+fuses every site of the model in each graph it compiles (decode, prefill, generate's own), and
+the fused model's answers match the unfused one's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hf_decode.py"
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(BENCH),
+           "--tiny", "--layers", str(LAYERS), "--batches", "1", "4", "--prefill", "16", "--steps", "8",
+           "--replays", "20", "--strict", "--out", str(out), "--ckpt-dir", str(out), "--cache-root", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    path = out / "decode_llama_w2.json"
+    return {"json": json.loads(path.read_text()), "path": path, "stdout": done.stdout}
+
+
+def test_every_phase_ran(result):
+    phases = result["json"]["phases"]
+    assert set(phases) == {"startup", "decode", "accuracy", "prefill", "kernels", "loop", "generate"}
+    assert not [name for name, p in phases.items() if "error" in p]
+    assert phases["kernels"] == {"skipped": "no CUDA: the profiler sees no GPU kernels",
+                                 "phase_seconds": phases["kernels"]["phase_seconds"]}
+    assert "decode step" in result["stdout"] and "startup to first token" in result["stdout"]
+
+
+def test_startup_fuses_every_site_cold_and_warm_hits_the_cache(result):
+    s = result["json"]["phases"]["startup"]
+    assert s["cold_on"]["fused_sites"] == 2 * LAYERS + 1
+    assert s["cold_off"]["fused_sites"] == 0
+    assert s["cold_on"]["pass_seconds"] > 0
+    # Warm: the FX graph cache returns the already rewritten graph; the pass does not run again.
+    assert s["warm_on"]["fused_sites"] == 0 and s["warm_on"]["pass_seconds"] == 0
+    assert s["warm_on"]["seconds"] < s["cold_on"]["seconds"]
+
+
+def test_decode_rows_dispatch_the_fused_op_only_when_on(result):
+    rows = result["json"]["phases"]["decode"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["on_ms"] > 0 and r["off_ms"] > 0
+        assert set(r["on_dispatch"]) == {"torch"} and r["off_dispatch"] == {}
+
+
+def test_fused_answers_match_unfused(result):
+    acc = result["json"]["phases"]["accuracy"]
+    assert acc["steps"] == 8 and len(acc["on_vs_off_rel_l2"]) == 8
+    assert acc["summary"]["on_vs_off_max_rel_l2"] < 2e-2
+    # As close to eager as Inductor's own unfused graph is.
+    assert acc["summary"]["on_vs_eager_max_rel_l2"] < 2 * acc["summary"]["off_vs_eager_max_rel_l2"] + 1e-3
+    assert acc["summary"]["on_vs_off_top1"] >= 0.75  # random weights: near ties may flip
+
+
+def test_generate_compiles_a_graph_the_pass_fuses(result):
+    g = result["json"]["phases"]["generate"]
+    assert g["on"]["fused_sites"] == 2 * LAYERS + 1 and g["off"]["fused_sites"] == 0
+
+
+def test_plot(result, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "decode.png"
+    subprocess.run([sys.executable, str(BENCH), "--plot", str(result["path"]), "--png", str(png)], check=True,
+                   capture_output=True, timeout=120)
+    assert png.stat().st_size > 10_000
