@@ -88,7 +88,8 @@ def install_fake_flashinfer():
                                     scale_factor=None if scale_factor is None else dict(
                                         type=type(scale_factor).__name__, dtype=str(scale_factor.dtype),
                                         shape=list(scale_factor.shape), device=str(scale_factor.device),
-                                        same_device=scale_factor.device == input.device), **rest))
+                                        same_device=scale_factor.device == input.device,
+                                        value=float(scale_factor.flatten()[0])), **rest))
         assert input.dim() == 2 and input.is_contiguous() and residual_in is not None
         assert isinstance(use_oneshot, bool) and (use_oneshot or input.shape[0] > workspace.world_size)
         assert workspace.is_buffer_size_sufficient(workspace.world_size, *input.shape, input.dtype)
@@ -97,8 +98,9 @@ def install_fake_flashinfer():
         writes_norm, quant_kind = FAKE_PATTERNS[pattern]
         assert (norm_out is not None) == writes_norm
         assert (quant_out is not None) == (quant_kind is not None)
-        assert (scale_factor is not None) == (quant_kind == "static")
-        assert (scale_out is not None) == (quant_kind == "dynamic")
+        assert (scale_factor is not None) == (quant_kind in ("static", "nvfp4"))
+        assert (scale_out is not None) == (quant_kind in ("dynamic", "nvfp4"))
+        assert (rest.get("layout_code") is not None) == (quant_kind == "nvfp4")
         summed = input.float()
         dist.all_reduce(summed, group=workspace.group)
         h = (summed + residual_in.float()).to(input.dtype)
@@ -116,6 +118,8 @@ def install_fake_flashinfer():
                                   torch.tensor(1 / (512 * 448)))
             scale_out.copy_(scale)
             quant_out.copy_((normed.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn))
+        elif quant_kind == "nvfp4":
+            fake_fp4_kernel(normed, quant_out, scale_out, scale_factor, rest["layout_code"])
         return norm_out if norm_out is not None else quant_out
 
     comm.AllReduceFusionPattern = types.SimpleNamespace(
@@ -129,9 +133,30 @@ def install_fake_flashinfer():
     return calls
 
 
+def fake_fp4_kernel(normed, quant_out, scale_out, scale_factor, layout_code):
+    """Codes 3/5 as trtllm_allreduce_fusion.cuh (0.7.2.post1) computes them on SM100: the block
+    SF is e4m3(scale_factor * amax / 6) and values are scaled by scale_factor / SF, i.e.
+    scale_factor is the *quantizing* global scale (the FP8 codes invert theirs instead).
+    LINEAR layout (2): SF row-major [T, H/16], one byte each."""
+    from arfusion import quant
+
+    tokens, hidden = normed.shape
+    assert layout_code == 2
+    assert quant_out.dtype == torch.uint8 and tuple(quant_out.shape) == (tokens, hidden // 2)
+    assert scale_out.dtype == torch.float8_e4m3fn and tuple(scale_out.shape) == (tokens, hidden // 16)
+    assert scale_factor.dtype == torch.float32 and scale_factor.numel() == 1
+    blocks = normed.float().reshape(tokens, hidden // 16, 16)
+    sf = (scale_factor * (blocks.abs().amax(-1) * (1 / 6))).to(torch.float8_e4m3fn)
+    output_scale = torch.where(sf.float() != 0, scale_factor / sf.float(), torch.zeros(()))
+    codes = quant.e2m1_codes((blocks * output_scale.unsqueeze(-1)).reshape(tokens, hidden))
+    quant_out.copy_(quant.pack_nibbles(codes))
+    scale_out.copy_(sf)
+
+
 # pattern code -> (writes norm_out, quant kind) for the codes arfusion may call
-FAKE_PATTERNS = {1: (True, None), 2: (False, "static"), 4: (True, "static"),
-                 10: (False, "dynamic"), 11: (True, "dynamic")}
+FAKE_PATTERNS = {1: (True, None), 2: (False, "static"), 3: (False, "nvfp4"), 4: (True, "static"),
+                 5: (True, "nvfp4"), 10: (False, "dynamic"), 11: (True, "dynamic")}
+B200 = fi.DeviceFacts((10, 0), "NVIDIA B200", "GPU-fake-0")
 
 
 def remove_fake_flashinfer():
@@ -345,8 +370,9 @@ def _worker(rank, world, init_file, out_dir):
 
 
 QUANT_SITES = [Site(residual=r, norm=n, quant=q, emit_norm=e)
-               for q in ("fp8_static", "fp8_dynamic", "fp8_group") for r in (True, False)
+               for q in ("fp8_static", "fp8_dynamic", "fp8_group", "nvfp4") for r in (True, False)
                for e in (False, True) for n in (("rms", "gemma_rms") if r and e else ("rms",))]
+NVFP4_GLOBAL_SCALE = 0.004  # torchao's per-tensor scale (dequantizing side)
 
 
 def quant_scenario(calls, group_name, rank):
@@ -356,11 +382,18 @@ def quant_scenario(calls, group_name, rank):
     from arfusion import ops, quant
 
     compiled_fns = []
-    real_compiled = ops.compiled
+    real_compiled, real_facts, real_cuda = ops.compiled, fi.device_facts, torch.version.cuda
     ops.compiled = lambda fn: compiled_fns.append(fn.__name__) or fn  # no Inductor in the workers
     out = {}
+    # NVFP4 runs on a pretend B200 with CUDA 12.8, and once more on the H200 (SM90: declined).
+    sites = [(site, "sm100" if site.quant == "nvfp4" else "sm90") for site in QUANT_SITES]
+    sites.append((Site(residual=True, norm="rms", quant="nvfp4", emit_norm=False), "sm90"))
     try:
-        for site in QUANT_SITES:
+        for site, gpu in sites:
+            if gpu == "sm100":
+                fi.device_facts, torch.version.cuda = (lambda index: replace(B200, uuid=f"GPU-fake-{rank}")), "12.8"
+            else:
+                fi.device_facts, torch.version.cuda = real_facts, real_cuda
             calls["fusion"].clear()
             arfusion.reset_stats()
             torch.manual_seed(7 + rank)
@@ -368,7 +401,7 @@ def quant_scenario(calls, group_name, rank):
             torch.manual_seed(8)
             res = torch.randn(2, 3, 256, dtype=torch.bfloat16) if site.residual else None
             w = (1 + 0.1 * torch.randn(256)).to(torch.bfloat16)
-            scale = torch.tensor(0.02) if site.quant == "fp8_static" else None
+            scale = {"fp8_static": torch.tensor(0.02), "nvfp4": torch.tensor(NVFP4_GLOBAL_SCALE)}.get(site.quant)
             got = torch.ops.arfusion.fused_allreduce_rmsnorm(
                 x, res, w, 1e-6, None, group_name, site.norm, site.quant, scale, site.emit_norm,
                 "flashinfer", -1)
@@ -380,18 +413,24 @@ def quant_scenario(calls, group_name, rank):
                                                             atol=0.05, rtol=0.02):
                     errors.append(name)
             q_scale = (scale, scale) if site.quant == "fp8_static" else (named_got["scale"], named_want["scale"])
-            deq = [quant.dequantize(named[("quant")], s_, site.quant)
+            global_scale = scale if site.quant == "nvfp4" else None
+            deq = [quant.dequantize(named[("quant")], s_, site.quant, global_scale)
                    for named, s_ in ((named_got, q_scale[0]), (named_want, q_scale[1]))]
-            if ((deq[0] - deq[1]).norm() / deq[1].norm()).item() > 2e-2:
+            # The stand-in's norm rounds like the kernel (fp32 weight multiply), the reference like
+            # HF (bf16): with NVFP4 that can move a block scale by one E4M3 step (<= 12.5%) and its
+            # values by one E2M1 step. A wrong scale_factor convention is off by ~100%.
+            tol = 0.15 if site.quant == "nvfp4" else 2e-2
+            if ((deq[0] - deq[1]).norm() / deq[1].norm()).item() > tol:
                 errors.append("quant")
-            if "scale" in named_got and not torch.allclose(named_got["scale"], named_want["scale"], rtol=1e-2):
+            if "scale" in named_got and not torch.allclose(named_got["scale"].float(), named_want["scale"].float(),
+                                                           rtol=0.13 if site.quant == "nvfp4" else 1e-2):
                 errors.append("scale")
-            out[site.name] = dict(
+            out[site.name + ("_sm90" if site.quant == "nvfp4" and gpu == "sm90" else "")] = dict(
                 errors=errors, fusion=list(calls["fusion"]), dispatch=arfusion.stats()["dispatch"],
                 outputs={n: [list(t.shape), str(t.dtype)] for n, t in named_got.items()},
                 expected={n: [list(t.shape), str(t.dtype)] for n, t in named_want.items()})
     finally:
-        ops.compiled = real_compiled
+        ops.compiled, fi.device_facts, torch.version.cuda = real_compiled, real_facts, real_cuda
     out["compiled"] = compiled_fns
     return out
 
@@ -439,7 +478,8 @@ def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
 
 def test_quant_sites_run_the_right_flashinfer_pattern(two_rank_results):
     codes = {("fp8_static", False): 2, ("fp8_static", True): 4, ("fp8_dynamic", False): 10,
-             ("fp8_dynamic", True): 11, ("fp8_group", False): 1, ("fp8_group", True): 1}
+             ("fp8_dynamic", True): 11, ("fp8_group", False): 1, ("fp8_group", True): 1,
+             ("nvfp4", False): 3, ("nvfp4", True): 5}
     for results in two_rank_results:
         quant = results["quant"]
         for site in QUANT_SITES:
@@ -453,11 +493,20 @@ def test_quant_sites_run_the_right_flashinfer_pattern(two_rank_results):
             # the contract: names, order, shapes and dtypes exactly as the reference gives them
             assert list(got["outputs"]) == list(site.outputs())
             assert got["outputs"] == got["expected"], site.name
-            assert got["outputs"]["quant"][1] == "torch.float8_e4m3fn"
-            if site.quant == "fp8_static":
+            assert got["outputs"]["quant"][1] == ("torch.uint8" if site.quant == "nvfp4" else "torch.float8_e4m3fn")
+            if site.quant == "nvfp4":
+                # scale_factor: the reciprocal of the site's global scale (FlashInfer's FP4
+                # kernel multiplies by it); block scales row-major, 16 elements each
+                assert fusion["scale_factor"] == dict(type="Tensor", dtype="torch.float32", shape=[1], device="cpu",
+                                                      same_device=True, value=pytest.approx(1 / NVFP4_GLOBAL_SCALE))
+                assert fusion["layout_code"] == 2
+                assert fusion["scale_out"] == [[6, 16], "torch.float8_e4m3fn"]
+                assert got["outputs"]["quant"] == [[2, 3, 128], "torch.uint8"]
+                assert got["outputs"]["scale"] == [[2, 3, 16], "torch.float8_e4m3fn"]
+            elif site.quant == "fp8_static":
                 # fp32 1-element tensor on the input's device, never a Python float
                 assert fusion["scale_factor"] == dict(type="Tensor", dtype="torch.float32", shape=[1],
-                                                      device="cpu", same_device=True)
+                                                      device="cpu", same_device=True, value=pytest.approx(0.02))
             else:
                 assert fusion["scale_factor"] is None
             if site.quant == "fp8_dynamic":
@@ -469,6 +518,11 @@ def test_quant_sites_run_the_right_flashinfer_pattern(two_rank_results):
             else:
                 assert fusion["norm_out"] == site.emit_norm and fusion["quant_out"]
         assert quant["compiled"] == ["fp8_group"] * sum(s.quant == "fp8_group" for s in QUANT_SITES)
+        # SM90: NVFP4 is never handed to FlashInfer (its kernel writes zeros there); the op
+        # computes the reference instead, and the answer is still right
+        declined = quant["allreduce_add_rmsnorm_nvfp4_sm90"]
+        assert declined["fusion"] == [] and declined["dispatch"] == {"fallback": 1}
+        assert declined["errors"] == [] and declined["outputs"] == declined["expected"]
 
 
 @pytest.mark.parametrize("quant", ["fp8_static", "fp8_dynamic"])
@@ -492,7 +546,19 @@ def test_per_group_fp8_has_its_own_cap_at_world_4(backend):
 def test_quant_guards(backend):
     group = Site(residual=True, norm="rms", quant="fp8_group")
     assert "group size 128" in backend.why_not(call(8, hidden=4096 + 64, site=group))
-    assert "nvfp4 not supported" in backend.why_not(call(8, site=Site(True, "rms", "nvfp4")))
+
+
+@pytest.mark.parametrize("emit_norm", [False, True])
+def test_nvfp4_goes_to_flashinfer_only_on_sm100_with_cuda_12_8(backend, monkeypatch, emit_norm):
+    fp4 = Site(residual=True, norm="rms", quant="nvfp4", emit_norm=emit_norm)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert "needs SM100+" in backend.why_not(call(8, site=fp4))  # the H200: it would write zeros
+    monkeypatch.setattr(fi, "device_facts", lambda index: B200)
+    assert backend.why_not(call(8, site=fp4)) is None
+    assert "not a multiple of the NVFP4 block" in backend.why_not(call(8, hidden=4096 + 8, site=fp4))
+    assert "not supported" in backend.why_not(call(8, dtype=torch.float32, site=fp4))
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    assert "needs CUDA 12.8+" in backend.why_not(call(8, site=fp4))
 
 
 # ----------------------------------------------------------------- the command line

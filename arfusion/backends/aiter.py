@@ -467,7 +467,9 @@ class AiterBackend(Backend):
     capabilities: Capabilities = field(default_factory=lambda: Capabilities(
         device_types=frozenset({"cuda"}),  # ROCm torch calls its GPUs "cuda"
         dtypes=frozenset({torch.bfloat16, torch.float16}),  # aiter's fused kernels: 16-bit only
-        quants=frozenset({"none", *QUANT_FORMS}),  # forms without a kernel use stage 2
+        # Forms without a kernel use stage 2. Not NVFP4: aiter has MXFP4 (E8M0 scales per 32),
+        # not NVFP4, and no AMD GPU consumes NVFP4 activations.
+        quants=frozenset({"none", *QUANT_FORMS} - {"nvfp4"}),
     ))
     _communicators: dict[str, Any] = field(default_factory=dict, repr=False)
 

@@ -1,7 +1,8 @@
-"""FlashInfer backend: all-reduce + residual add + RMSNorm (+ FP8 quant) in one kernel on NVIDIA GPUs.
+"""FlashInfer backend: all-reduce + residual add + RMSNorm (+ quant) in one kernel on NVIDIA GPUs.
 
-Static and dynamic per-token FP8 are quantized inside FlashInfer's kernel; per-group FP8 runs the
-plain kernel and then one compiled quant kernel (see QUANT_KERNELS).
+Static and dynamic per-token FP8 are quantized inside FlashInfer's kernel, and so is NVFP4 on
+SM100+ only (dispatch.QUANT_MIN_SM); per-group FP8 runs the plain kernel and then one compiled
+quant kernel (see QUANT_KERNELS).
 
 Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`
 and `allreduce_fusion`, always with backend="trtllm". "auto" would pick "mnnvl" on NVSwitch
@@ -53,14 +54,19 @@ FI_BACKEND = "trtllm"  # the only FlashInfer backend this module ever asks for
 # (Site.quant, Site.emit_norm) -> the AllReduceFusionPattern member that computes the site.
 # Per-group FP8 has no FlashInfer kernel with fp32 [T, H/128] scales (codes 8/9 write packed
 # UE8M0 int32 scales, another format), so it runs code 1 and then one compiled quant kernel.
-# NVFP4 (codes 3/5) is not dispatched: on SM90 it silently writes zeros.
+# NVFP4 (codes 3/5) is dispatched only where dispatch.quant_problem allows (SM100+): on SM90 it
+# silently writes zeros.
 QUANT_KERNELS = {
     "none": {True: "kARResidualRMSNorm"},
     "fp8_static": {False: "kARResidualRMSNormFP8Quant", True: "kARResidualRMSNormOutFP8Quant"},
     "fp8_dynamic": {False: "kARResidualRMSNormDynamicFP8Quant", True: "kARResidualRMSNormOutDynamicFP8Quant"},
     "fp8_group": {False: "kARResidualRMSNorm", True: "kARResidualRMSNorm"},
+    "nvfp4": {False: "kARResidualRMSNormFP4Quant", True: "kARResidualRMSNormOutFP4Quant"},
 }
-IN_KERNEL_QUANTS = ("fp8_static", "fp8_dynamic")  # FlashInfer writes quant (and scale) itself
+IN_KERNEL_QUANTS = ("fp8_static", "fp8_dynamic", "nvfp4")  # FlashInfer writes quant (and scale) itself
+# NVFP4 block scales row-major [T, H/16] (QuantizationSFLayout.LINEAR), as the reference and
+# torchao's unswizzled quantizer give them; the model's own swizzle (if any) follows the op.
+NVFP4_LINEAR_LAYOUT = 2
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,8 @@ class FlashInferBackend(Backend):
             return f"no FlashInfer pattern for {call.site.name}"
         if call.site.quant == "fp8_group" and call.hidden % quant.GROUP_SIZE:
             return f"hidden size {call.hidden} is not a multiple of the FP8 group size {quant.GROUP_SIZE}"
+        if call.site.quant == "nvfp4" and call.hidden % quant.NVFP4_BLOCK:
+            return f"hidden size {call.hidden} is not a multiple of the NVFP4 block {quant.NVFP4_BLOCK}"
         if call.nbytes is not None and call.nbytes > dispatch.HARD_MAX_FUSED_BYTES:
             return (f"{call.nbytes} bytes per rank > {dispatch.HARD_MAX_FUSED_BYTES} "
                     "(largest FlashInfer workspace arfusion creates)")
@@ -166,7 +174,9 @@ class FlashInferBackend(Backend):
         return 0 if limits is None else limits.max_fused_bytes
 
     def why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
-        reason = self.capabilities.why_not(call) or self.unavailable(call.device) or self.shape_check(call)
+        reason = (self.capabilities.why_not(call) or self.unavailable(call.device) or self.shape_check(call)
+                  or dispatch.quant_problem(call.site.quant, device_facts(_device_index(call.device)).sm[0],
+                                            torch.version.cuda))
         if reason:
             return reason
         if max_bytes_override is not None:
@@ -273,8 +283,8 @@ class FlashInferBackend(Backend):
         # Everything preallocated (CUDA graphs); the norm is written only when someone reads it.
         produced = {"residual": torch.empty_like(x2),
                     "norm": torch.empty_like(x2) if site.emit_norm or not in_kernel else None}
-        quant_out = scale_out = scale_factor = None
-        if in_kernel:
+        quant_out = scale_out = scale_factor = layout_code = None
+        if site.quant in ("fp8_static", "fp8_dynamic"):
             quant_out = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x2.device)
         if site.quant == "fp8_dynamic":
             scale_out = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x2.device)
@@ -282,12 +292,18 @@ class FlashInferBackend(Backend):
             # Read on the GPU in place, so a captured graph follows updates to the scale; a
             # Python float would be copied to the device on every call.
             scale_factor = quant_scale.to(device=x2.device, dtype=torch.float32).reshape(1)
+        if site.quant == "nvfp4":
+            tokens, hidden = x2.shape
+            quant_out = torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=x2.device)
+            scale_out = torch.empty(tokens, hidden // quant.NVFP4_BLOCK, dtype=torch.float8_e4m3fn,
+                                    device=x2.device)
+            scale_factor, layout_code = _fp4_scale_factor(quant_scale, x2.device), NVFP4_LINEAR_LAYOUT
         fic.allreduce_fusion(
             input=x2, workspace=state.workspace,
             pattern=getattr(fic.AllReduceFusionPattern, QUANT_KERNELS[site.quant][site.emit_norm]),
             launch_with_pdl=self.launch_with_pdl, trigger_completion_at_end=True,
             residual_out=produced["residual"], norm_out=produced["norm"], residual_in=residual_in,
-            quant_out=quant_out, scale_out=scale_out, scale_factor=scale_factor,
+            quant_out=quant_out, scale_out=scale_out, scale_factor=scale_factor, layout_code=layout_code,
             rms_gamma=weight.contiguous(), rms_eps=float(eps),
             use_oneshot=self.use_oneshot(call), fp32_acc=self.fp32_acc,
             weight_bias=1.0 if site.norm == "gemma_rms" else 0.0)
@@ -323,6 +339,18 @@ class FlashInferBackend(Backend):
                 except Exception:
                     pass
         self._groups.clear()
+
+
+def _fp4_scale_factor(global_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """FlashInfer's FP4 `scale_factor` from the site's global scale.
+
+    The FP4 kernel multiplies by scale_factor (block SF = e4m3(scale_factor * amax / 6), values
+    times scale_factor / SF), unlike the FP8 one, which inverts it. torchao's per-tensor scale
+    is the dequantizing side (amax / (448 * 6)), so FlashInfer gets its reciprocal; no global
+    scale means 1. A device tensor, so a captured graph follows updates to the scale."""
+    if global_scale is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return torch.reciprocal(global_scale.to(device=device, dtype=torch.float32).reshape(1))
 
 
 def _group_quant(normed: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -66,6 +66,28 @@ _SEED_16BIT: dict[tuple[int, int], tuple[float, float]] = {
 # So per-group sites fuse only up to this many MiB there (static/dynamic FP8 use the table).
 GROUP_QUANT_MAX_MIB: dict[tuple[int, int], float] = {(9, 4): 4}
 
+# Quant forms whose FlashInfer kernel needs a newer GPU / CUDA than the rest: the one place
+# saying so. NVFP4 (codes 3/5): the FP4 conversion and its scale writes are compiled only for
+# __CUDA_ARCH__ >= 1000 and CUDA >= 12.8 (trtllm_allreduce_fusion.cuh in 0.7.2.post1); below
+# that the kernel runs and silently writes zeros. Read from the source, never run here.
+QUANT_MIN_SM: dict[str, int] = {"nvfp4": 10}
+QUANT_MIN_CUDA: dict[str, tuple[int, int]] = {"nvfp4": (12, 8)}
+
+
+def quant_problem(form: str, sm_major: int, cuda_version: str | None) -> str | None:
+    """Why FlashInfer's kernel for this quant form cannot run on this GPU / CUDA, or None."""
+    min_sm = QUANT_MIN_SM.get(form)
+    if min_sm is not None and sm_major < min_sm:
+        return (f"FlashInfer's {form} kernel needs SM{min_sm}0+ (this GPU is SM{sm_major}x, where it "
+                "would write zeros); the op computes it unfused")
+    min_cuda = QUANT_MIN_CUDA.get(form)
+    if min_cuda is not None:
+        have = tuple(int(p) for p in (cuda_version or "0.0").split(".")[:2])
+        if have < min_cuda:
+            return f"FlashInfer's {form} kernel needs CUDA {min_cuda[0]}.{min_cuda[1]}+, torch has {cuda_version}"
+    return None
+
+
 SEED_TABLE: dict[tuple[int, int, torch.dtype], Limits] = {
     (sm, ws, dtype): Limits(int(cap * MiB), int(one * MiB), f"seed table SM{sm}x world {ws}")
     for (sm, ws), (cap, one) in _SEED_16BIT.items() for dtype in HALF_DTYPES
@@ -139,5 +161,5 @@ def table_hash() -> str:
     """Identifies every input of dispatch; compared across ranks before a workspace is used."""
     seed = repr(sorted((k[0], k[1], str(k[2]), v.max_fused_bytes, v.oneshot_max_bytes)
                        for k, v in SEED_TABLE.items()))
-    seed += repr(sorted(GROUP_QUANT_MAX_MIB.items()))
+    seed += repr(sorted(GROUP_QUANT_MAX_MIB.items())) + repr(sorted(QUANT_MIN_SM.items()))
     return hashlib.sha256(f"{seed}|{cache_hash()}".encode()).hexdigest()[:16]

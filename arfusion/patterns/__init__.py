@@ -7,6 +7,7 @@ name is part of the pattern, and a TP subgroup must fuse with its own group.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import logging
@@ -17,7 +18,7 @@ import torch
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, register_replacement
 
 from ..backends.base import Site
-from . import pieces
+from . import pieces, trace_memo
 from .quant import BOUND_SENTINELS, FP8_DTYPES, QUANT_SPELLINGS
 
 log = logging.getLogger("arfusion")
@@ -66,9 +67,10 @@ class PatternSpec:
     def example_inputs(self) -> list:
         """Small stand-ins; only their dtypes and ranks matter (shapes are re-checked on match)."""
         tokens, hidden = 4, 256  # hidden: a multiple of the FP8 group size
+        lead = (1, tokens) if QUANT_SPELLINGS[self.quant].token_dims == 2 else (tokens,)
         values = {
-            "x": torch.empty(tokens, hidden, dtype=self.dtype),
-            "residual": torch.empty(tokens, hidden, dtype=self.dtype),
+            "x": torch.empty(*lead, hidden, dtype=self.dtype),
+            "residual": torch.empty(*lead, hidden, dtype=self.dtype),
             "weight": torch.empty(hidden, dtype=self.dtype),
             "eps": EPS_SENTINEL if self.eps == "literal" else torch.empty((), dtype=torch.float64),
             **QUANT_SPELLINGS[self.quant].example_inputs(tokens, hidden),
@@ -94,12 +96,18 @@ class PatternSpec:
         site = self.site
         outputs = site.outputs()
         literal_eps = self.eps == "literal"
+        # The op keeps the activation's leading dims; a spelling that flattened them first
+        # produced 2-D quant outputs, and its users expect those.
+        flat_quant = QUANT_SPELLINGS[self.quant].token_dims == 2
+
+        def shaped(name, out):
+            return out.reshape(-1, out.shape[-1]) if flat_quant and name in ("quant", "scale") else out
 
         def replace(x, residual=None, weight=None, eps=None, scale=None, fmax=None, neg_fmax=None):
             outs = torch.ops.arfusion.fused_allreduce_rmsnorm(
                 x, residual, weight, eps if literal_eps else 0.0, None if literal_eps else eps,
                 group_name, site.norm, site.quant, scale, site.emit_norm, backend, max_bytes)
-            return tuple(outs[outputs.index(name)] for name in self.output_names)
+            return tuple(shaped(name, outs[outputs.index(name)]) for name in self.output_names)
 
         return _positional(replace, self.input_names)
 
@@ -124,16 +132,22 @@ class GraphFeatures:
     eps_forms: frozenset
     fp8_dtypes: frozenset
     has_amax: bool
+    # NVFP4 spellings are big (~0.3 s to trace each): register only the variants present,
+    # by activation rank (flattened or not) and global scale (amax / 6 divided by a tensor).
+    all_reduce_ranks: frozenset = frozenset()
+    nvfp4_global_scale: frozenset = frozenset()
 
     @classmethod
     def of(cls, graph: torch.fx.Graph) -> "GraphFeatures":
         all_reduce = torch.ops._c10d_functional.all_reduce.default
         convert = torch.ops.prims.convert_element_type.default
         dtypes, eps_forms, fp8, has_amax = set(), {"literal"}, set(), False
+        ranks, global_scale = set(), set()
         for n in graph.nodes:
             val = n.meta.get("val")
             if n.target is all_reduce and isinstance(val, torch.Tensor):
                 dtypes.add(torch.float32 if val.dtype == torch.float32 else torch.bfloat16)
+                ranks.add(val.dim())
             elif n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() == 0 \
                     and val.dtype == torch.float64:
                 eps_forms.add("tensor")  # dynamic=True lifts float attributes (eps) to inputs
@@ -141,7 +155,10 @@ class GraphFeatures:
                 fp8.add(n.args[1])
             elif n.target is torch.ops.aten.amax.default:
                 has_amax = True
-        return cls(frozenset(dtypes), frozenset(eps_forms), frozenset(fp8), has_amax)
+                global_scale.update(_divided_by_a_tensor(user) for user in n.users
+                                    if user.target is torch.ops.aten.div.Tensor)
+        return cls(frozenset(dtypes), frozenset(eps_forms), frozenset(fp8), has_amax,
+                   frozenset(ranks), frozenset(global_scale))
 
     def may_match(self, spec: "PatternSpec") -> bool:
         quant = QUANT_SPELLINGS[spec.quant]
@@ -149,9 +166,20 @@ class GraphFeatures:
             return False
         if quant.form == "none":
             return True
+        if quant.form == "nvfp4":  # E4M3 block scales from a per-block amax
+            return (torch.float8_e4m3fn in self.fp8_dtypes and self.has_amax
+                    and ("scale" in quant.inputs) in self.nvfp4_global_scale
+                    and (quant.token_dims == 2) == any(r >= 3 for r in self.all_reduce_ranks))
         return quant.fp8_dtype in self.fp8_dtypes and (quant.form == "fp8_static" or self.has_amax)
 
 
+def _divided_by_a_tensor(amax_over: torch.fx.Node) -> bool:
+    """Whether `amax / c` is divided again by a tensor (NVFP4's global scale)."""
+    return any(u.target is torch.ops.aten.div.Tensor and isinstance(u.args[1], torch.fx.Node)
+               for u in amax_over.users)
+
+
+@functools.cache  # thousands of combinations: built once per quant-form selection
 def all_specs(quant_forms: tuple[str, ...]) -> list[PatternSpec]:
     """Every pattern, largest first: a quant pattern must win over the norm alone."""
     quants = [name for name, q in QUANT_SPELLINGS.items() if q.form == "none" or q.form in quant_forms]
@@ -174,6 +202,13 @@ def trace_like_post_grad(fn: Callable, args, **kwargs) -> torch.fx.GraphModule:
     return gm
 
 
+def _per_tensor_scale(match: Match) -> bool:
+    """A scale input must hold one value: the patterns are traced with a 0-d scale, and a
+    [T, 1] one would broadcast through the same ops (the kernels take exactly one float)."""
+    scale = match.kwargs.get("scale")
+    return not isinstance(scale, torch.fx.Node) or scale.meta["val"].numel() == 1
+
+
 def register(patterns: PatternMatcherPass, specs: list[PatternSpec], group_name: str, backend: str,
              max_bytes: int, extra_check: Callable[[PatternSpec, Match], bool]) -> None:
     """Add `specs` to `patterns`, traced under fake tensors so no collective runs and no live
@@ -183,12 +218,12 @@ def register(patterns: PatternMatcherPass, specs: list[PatternSpec], group_name:
     with unset_fake_temporarily(), torch._guards.tracing(None), FakeTensorMode():
         for spec in specs:
             register_replacement(
-                spec.search_fn(group_name),
+                trace_memo.search_function(spec.search_fn(group_name)),
                 spec.replace_fn(group_name, backend, max_bytes),
                 spec.example_inputs(),
-                trace_like_post_grad,
+                trace_memo.memoized(trace_like_post_grad),
                 [patterns],
-                extra_check=lambda match, spec=spec: extra_check(spec, match),
+                extra_check=lambda match, spec=spec: _per_tensor_scale(match) and extra_check(spec, match),
                 scalar_workaround={**({"eps": EPS_SENTINEL} if spec.eps == "literal" else {}),
                                    **QUANT_SPELLINGS[spec.quant].scalar_workaround},
                 # FP8 spellings differing only in dtype and clamp bound are one pattern until
