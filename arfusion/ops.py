@@ -134,9 +134,33 @@ def fused_allreduce_rmsnorm(
     return [o.reshape(*lead, o.shape[-1]) if o.dim() else o for o in outs]
 
 
+# Output layouts by input layout, for static shapes: the pattern matcher traces the op once per
+# fused site (65 in a 32-layer decoder), and the reference math on fake tensors costs ~10 ms.
+_fake_layouts: dict[tuple, list[tuple]] = {}
+
+
+def _layout_key(*tensors) -> tuple | None:
+    key = []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+            continue
+        if any(isinstance(d, torch.SymInt) for d in (*t.shape, *t.stride())):
+            return None
+        key.append((tuple(t.shape), t.stride(), t.dtype, t.device.type))
+    return tuple(key)
+
+
 @fused_allreduce_rmsnorm.register_fake
 def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
           backend, max_bytes):
     # The reference math on fake tensors gives exactly the real outputs' metadata.
     site = site_of(residual, norm, quant, emit_norm)
-    return reference.add_rms_norm(torch.empty_like(x), residual, weight, eps, site, quant_scale)
+    key = _layout_key(x, residual, weight, quant_scale)
+    if key is not None and (key, site) in _fake_layouts:
+        return [torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
+                for shape, stride, dtype in _fake_layouts[key, site]]
+    outs = reference.add_rms_norm(torch.empty_like(x), residual, weight, eps, site, quant_scale)
+    if key is not None:
+        _fake_layouts[key, site] = [(tuple(o.shape), o.stride(), o.dtype) for o in outs]
+    return outs
