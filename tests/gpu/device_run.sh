@@ -61,10 +61,10 @@ for s in "$@"; do
       --replays 300 --out "$OUT/point4" ;;
     # End to end (issue 6): the headline phases on GPUs 0,1 beside the host-bound ones on GPUs 2,3;
     # each writes its own JSON (tag a / b) after every phase.
-    decode2) stage decode2 "${LIMIT:-560}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases startup decode accuracy kernels \
-      --tag a --ckpt-dir /tmp/ckpt-a --budget-s 470 --out "$OUT" ;;
-    decode2b) stage decode2b "${LIMIT:-560}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases prefill loop generate \
-      --tag b --ckpt-dir /tmp/ckpt-b --budget-s 470 --out "$OUT" ;;
+    decode2) stage decode2 "${LIMIT:-540}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases startup decode accuracy kernels \
+      --tag a --ckpt-dir /tmp/ckpt-a --budget-s 440 --out "$OUT" ;;
+    decode2b) stage decode2b "${LIMIT:-540}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases prefill loop generate \
+      --tag b --ckpt-dir /tmp/ckpt-b --budget-s 440 --out "$OUT" ;;
     decode2+decode2b)
       (CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29611 bash "$0" decode2b >"$OUT/decode2b.log" 2>&1) &
       CUDA_VISIBLE_DEVICES=0,1 bash "$0" decode2
