@@ -84,10 +84,16 @@ def model_config(args, world: int):
     return AutoConfig.for_model(args.model_type, tie_word_embeddings=False, **shape)
 
 
-def random_checkpoint(config, device, root: str | None) -> str:
+# Output projections of each residual branch: scaled by 1/sqrt(2 * layers) with --init scaled
+# (GPT-2 / Megatron's residual init), so each layer adds a small update to the residual stream
+# as in trained models, instead of a contribution as large as the stream itself.
+RESIDUAL_OUTPUTS = ("o_proj", "down_proj")
+
+
+def random_checkpoint(config, device, root: str | None, init: str = "hf") -> str:
     """Rank 0 writes random weights once per config (initialised on its device: fast on a GPU);
     every rank then loads them tensor parallel. Reused when the same config was written before."""
-    key = hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
+    key = hashlib.sha256((config.to_json_string(use_diff=False) + init).encode()).hexdigest()[:12]
     path = os.path.join(root or tempfile.gettempdir(), f"arfusion-bench-{config.model_type}-{key}")
     if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "complete")):
         from transformers import AutoModelForCausalLM
@@ -96,6 +102,11 @@ def random_checkpoint(config, device, root: str | None) -> str:
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        if init == "scaled":
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if any(f".{proj}." in name for proj in RESIDUAL_OUTPUTS):
+                        param.mul_((2 * config.num_hidden_layers) ** -0.5)
         model.save_pretrained(path)
         open(os.path.join(path, "complete"), "w").close()
         del model
@@ -121,6 +132,13 @@ class Bench:
         self.result = {"meta": {}, "phases": {}}
         self.started = time.time()
         self.pass_config = arfusion.PassConfig(enable_allreduce_fusion=True, backend=args.backend)
+        if self.rank == 0:  # what the pass fused and declined, one line per graph
+            import logging
+
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[arfusion] %(message)s"))
+            logging.getLogger("arfusion").addHandler(handler)
+            logging.getLogger("arfusion").setLevel(logging.INFO)
 
     def say(self, *a):
         if self.rank == 0:
@@ -135,7 +153,7 @@ class Bench:
         hf_logging.set_verbosity_error()
         self.config = model_config(self.args, self.world)
         t0 = time.perf_counter()
-        path = random_checkpoint(self.config, self.device, self.args.ckpt_dir)
+        path = random_checkpoint(self.config, self.device, self.args.ckpt_dir, self.args.init)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, tp_plan="auto").eval()
         c = self.config
         self.result["meta"] = {
@@ -144,7 +162,7 @@ class Bench:
             "intermediate": c.intermediate_size, "vocab": c.vocab_size, "world": self.world,
             "device": torch.cuda.get_device_name() if self.cuda else "cpu", "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "arfusion": arfusion.__version__,
-            "backend": self.args.backend, "load_s": round(time.perf_counter() - t0, 1),
+            "backend": self.args.backend, "init": self.args.init, "load_s": round(time.perf_counter() - t0, 1),
             "command": "torchrun --nproc-per-node %d benchmarks/bench_hf_decode.py %s" % (
                 self.world, " ".join(self.args.argv))}
         self.say(f"{c.model_type}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, TP={self.world} on "
@@ -599,6 +617,9 @@ def main(argv=None):
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even where CUDA exists")
     p.add_argument("--layers", type=int, default=0, help="override the number of layers")
     p.add_argument("--backend", default="auto", choices=["auto", "flashinfer", "aiter", "torch"])
+    p.add_argument("--init", default="hf", choices=["hf", "scaled"],
+                   help="random weights: HF's init (std 0.02), or with the residual branches' output "
+                        "projections scaled by 1/sqrt(2 * layers) (GPT-2's init, closer to trained models)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--prompt", type=int, default=32, help="context tokens before the decode steps")

@@ -70,8 +70,8 @@ for s in "$@"; do
       CUDA_VISIBLE_DEVICES=0,1 bash "$0" decode2
       wait
       tail -25 "$OUT/decode2b.log" ;;
-    decode4) stage decode4 "${LIMIT:-570}" $TORCHRUN 4 benchmarks/bench_hf_decode.py \
-      --phases decode accuracy kernels prefill loop generate --budget-s 450 --out "$OUT" ;;
+    decode4) stage decode4 "${LIMIT:-560}" $TORCHRUN 4 benchmarks/bench_hf_decode.py \
+      --phases decode accuracy kernels prefill loop --budget-s 420 --out "$OUT" ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
