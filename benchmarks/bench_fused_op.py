@@ -12,6 +12,8 @@ aligned by a barrier before each replay):
   b   arfusion as a user gets it: the function compiled with the pass (static shapes), so each
       size is fused or left to Inductor by the dispatch table
   c   arfusion's op with FlashInfer forced at every size (up to 64 MiB per rank)
+  u   where b is left unfused: the same function compiled without the pass (Inductor's own
+      graph, which b then is too); a / u shows what the harness's (a) costs against it
 With --variants (first hidden only), FlashInfer forced one-shot / two-shot at every size, and for
 T <= 512 with PDL off, fp32 accumulation off, and both off (how the probe calls FlashInfer).
 
@@ -142,6 +144,7 @@ def run(args):
     norm_a = torch.compile(add_norm, dynamic=False)
     model_b = torch.compile(make_model_fn(gname), dynamic=False, options=arfusion.inductor_options(
         arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto")))
+    model_u = torch.compile(make_model_fn(gname), dynamic=False)
 
     def timed(fn):
         # Ranks start a replay a few microseconds apart and the first call absorbs that skew:
@@ -187,6 +190,8 @@ def run(args):
                                  if v != before["dispatch"].get(k, 0)}
             want = reference.unfused(x, res, weight, EPS, gname, site)
             row["b_err"] = rel_err(model_b(x, res, weight)[0], want[1])
+            if row["b_path"] == "unfused":
+                row["u_us"] = timed(lambda: model_u(x, res, weight))
 
             if nbytes <= dispatch.HARD_MAX_FUSED_BYTES and not isinstance(backend, str):
                 forced = lambda: tuning.fused_step(x, res, weight, EPS, gname, dispatch.HARD_MAX_FUSED_BYTES)
@@ -323,7 +328,7 @@ def run_quant(args):
 
 def format_table(rows):
     head = (f"{'quant':>11} {'world':>5} {'hidden':>6} {'T':>5} {'MiB':>6} {'a us':>7} {'a0 us':>7} {'b us':>7} "
-            f"{'c us':>7} {'a/b':>6} {'a0/b':>6} {'a/c':>6} {'1shot':>7} {'2shot':>7}  b path")
+            f"{'c us':>7} {'u us':>7} {'a/b':>6} {'a0/b':>6} {'a/c':>6} {'u/b':>6} {'1shot':>7} {'2shot':>7}  b path")
     lines = [head]
     for r in rows:
         def us(key):
@@ -333,8 +338,9 @@ def format_table(rows):
             return f"{r[num] / r[den]:5.2f}x" if num in r and den in r else f"{'-':>6}"
 
         lines.append(f"{r.get('quant', 'none'):>11} {r['world']:>5} {r['hidden']:>6} {r['tokens']:>5} {r['bytes_per_rank'] / 2**20:6.2f} "
-                     f"{us('a_us')} {us('a0_us')} {us('b_us')} {us('c_us')} {ratio('a_us', 'b_us')} "
-                     f"{ratio('a0_us', 'b_us')} {ratio('a_us', 'c_us')} {us('fi_1shot_us')} {us('fi_2shot_us')}  "
+                     f"{us('a_us')} {us('a0_us')} {us('b_us')} {us('c_us')} {us('u_us')} {ratio('a_us', 'b_us')} "
+                     f"{ratio('a0_us', 'b_us')} {ratio('a_us', 'c_us')} {ratio('u_us', 'b_us')} {us('fi_1shot_us')} "
+                     f"{us('fi_2shot_us')}  "
                      f"{r['b_path']}")
     return "\n".join(lines)
 
