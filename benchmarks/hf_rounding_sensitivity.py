@@ -1,0 +1,63 @@
+"""How far apart do one-ulp bf16 differences push a random Llama-3-8B-shape model's logits?
+
+    python benchmarks/hf_rounding_sensitivity.py [--fraction 0.0039] [--layers 32]
+
+Single process, CPU is enough (16 GB of memory for the 8B shape). After every decoder layer the
+last mantissa bit of a random fraction of the residual stream's elements is flipped (one bf16
+step, as two implementations that round one addition differently produce), and the logits of
+16 random tokens are compared with the unperturbed forward: the noise floor that fused-vs-unfused
+comparisons on random weights (bench_hf_decode.py's accuracy phase) cannot go below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fraction", type=float, default=1 / 256, help="share of elements nudged per layer")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--seeds", type=int, default=2)
+    args = p.parse_args()
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama", hidden_size=4096, num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+    started = time.time()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    print(f"built in {time.time() - started:.0f} s", flush=True)
+    ids = torch.randint(0, config.vocab_size, (1, args.tokens))
+    nudging = {"generator": None}
+
+    def nudge(module, inputs, output):
+        if nudging["generator"] is None:
+            return output
+        hidden = output[0] if isinstance(output, tuple) else output
+        mask = torch.rand(hidden.shape, generator=nudging["generator"]) < args.fraction
+        bits = hidden.view(torch.int16)
+        nudged = torch.where(mask, bits ^ 1, bits).view(torch.bfloat16)
+        return (nudged, *output[1:]) if isinstance(output, tuple) else nudged
+
+    for layer in model.model.layers:
+        layer.register_forward_hook(nudge)
+    with torch.no_grad():
+        reference = model(ids).logits.float()
+        for seed in range(1, args.seeds + 1):
+            nudging["generator"] = torch.Generator().manual_seed(seed)
+            logits = model(ids).logits.float()
+            rel = ((logits - reference).norm(dim=-1) / reference.norm(dim=-1))[0]
+            top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+            print(f"fraction {args.fraction:.4f}, seed {seed}: logits rel L2 max {rel.max():.2e}, "
+                  f"median {rel.median():.2e}; top-1 agreement {100 * top1:.1f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
