@@ -51,7 +51,7 @@ def time_in_graph(fn: Callable[[], object], group=None, calls: int = 20, replays
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    dist.barrier(group=group)
+    _barrier(group)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(calls):
@@ -62,7 +62,7 @@ def time_in_graph(fn: Callable[[], object], group=None, calls: int = 20, replays
     torch.cuda.synchronize()
     samples = []
     for _ in range(replays):
-        dist.barrier(group=group)
+        _barrier(group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
@@ -71,6 +71,11 @@ def time_in_graph(fn: Callable[[], object], group=None, calls: int = 20, replays
         samples.append(start.elapsed_time(end) * 1000 / calls)
     del graph
     return statistics.median(samples)
+
+
+def _barrier(group) -> None:
+    if dist.is_initialized():  # one-GPU probes time without a process group
+        dist.barrier(group=group)
 
 
 def slowest_rank(values: Sequence[float], group=None) -> list[float]:

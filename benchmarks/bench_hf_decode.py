@@ -183,8 +183,8 @@ class Bench:
             self.compiled[name] = self.compile(name)
         return self.compiled[name]
 
-    def cache(self, batch: int, max_len: int):
-        from transformers import StaticCache
+    def cache(self, max_len: int):
+        from transformers import StaticCache  # sized by its first update (batch, heads)
 
         return StaticCache(config=self.config, max_cache_len=max_len)
 
@@ -195,7 +195,7 @@ class Bench:
     def prefilled(self, batch: int):
         """A static cache holding the same eager prefill for every config. One cache length for
         every phase: a new length would recompile the decode step (with dynamic sizes)."""
-        cache = self.cache(batch, self.args.prompt + 2 * self.args.steps + 16)
+        cache = self.cache(self.args.prompt + 2 * self.args.steps + 16)
         with torch.no_grad():
             out = self.model(input_ids=self.prompt(batch, self.args.prompt), past_key_values=cache, use_cache=True)
         return cache, out.logits[:, -1:].argmax(-1)

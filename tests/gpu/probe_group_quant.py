@@ -13,32 +13,7 @@ import os
 
 import torch
 
-from arfusion import ops, quant
-
-
-def in_graph_us(fn, x, calls=50, replays=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            out = fn(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return sorted(times)[len(times) // 2], out
+from arfusion import ops, quant, tuning
 
 
 def main():
@@ -67,7 +42,7 @@ def main():
         row = {"tokens": t}
         for name, fn in variants.items():
             try:
-                row[name] = round(in_graph_us(fn, x)[0], 2)
+                row[name] = round(tuning.time_in_graph(lambda: fn(x), calls=50, replays=20), 2)
             except Exception as e:
                 row[name] = f"{type(e).__name__}: {str(e)[:150]}"
         rows.append(row)
