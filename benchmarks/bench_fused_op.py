@@ -14,6 +14,12 @@ aligned by a barrier before each replay):
   c   arfusion's op with FlashInfer forced at every size (up to 64 MiB per rank)
   u   where b is left unfused: the same function compiled without the pass (Inductor's own
       graph, which b then is too); a / u shows what the harness's (a) costs against it
+  a1  where b is left unfused: (a) with the all_reduce issued async (NCCL's own stream, joined
+      back by wait(), as a functional collective and so Inductor's graph issue it)
+  d   where b is left unfused: arfusion's op declining the call (its own unfused path)
+  ur, a0r  where b is left unfused, as in a model (the all-reduce input made inside the step,
+      here x * 2, so it may be reduced in place): Inductor's graph, and eager x * 2 + NCCL in
+      place + the compiled norm
 With --variants (first hidden only), FlashInfer forced one-shot / two-shot at every size, and for
 T <= 512 with PDL off, fp32 accumulation off, and both off (how the probe calls FlashInfer).
 
@@ -87,10 +93,12 @@ def make_quant_model_fn(group_name, form):
     return layer_boundary
 
 
-def make_model_fn(group_name):
+def make_model_fn(group_name, produce_input=False):
     from arfusion.reference import all_reduce_sum
 
     def layer_boundary(x, residual, weight):  # how a decoder layer ends, as the graph sees it
+        if produce_input:  # as a row-parallel matmul's output: an intermediate, reducible in place
+            x = x * 2
         h = residual + all_reduce_sum(x, group_name)
         return hf_rms_norm(h, weight), h
 
@@ -145,6 +153,7 @@ def run(args):
     model_b = torch.compile(make_model_fn(gname), dynamic=False, options=arfusion.inductor_options(
         arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto")))
     model_u = torch.compile(make_model_fn(gname), dynamic=False)
+    model_ur = torch.compile(make_model_fn(gname, produce_input=True), dynamic=False)
 
     def timed(fn):
         # Ranks start a replay a few microseconds apart and the first call absorbs that skew:
@@ -192,6 +201,21 @@ def run(args):
             row["b_err"] = rel_err(model_b(x, res, weight)[0], want[1])
             if row["b_path"] == "unfused":
                 row["u_us"] = timed(lambda: model_u(x, res, weight))
+
+                def unfused_async():
+                    y = x.clone()
+                    dist.all_reduce(y, group=group, async_op=True).wait()
+                    return norm_a(y, res, weight)
+
+                def unfused_inplace_produced():
+                    y = x * 2
+                    dist.all_reduce(y, group=group)
+                    return norm_a(y, res, weight)
+
+                row["a1_us"] = timed(unfused_async)
+                row["d_us"] = timed(lambda: tuning.fused_step(x, res, weight, EPS, gname, 0))
+                row["ur_us"] = timed(lambda: model_ur(x, res, weight))
+                row["a0r_us"] = timed(unfused_inplace_produced)
 
             if nbytes <= dispatch.HARD_MAX_FUSED_BYTES and not isinstance(backend, str):
                 forced = lambda: tuning.fused_step(x, res, weight, EPS, gname, dispatch.HARD_MAX_FUSED_BYTES)
@@ -328,7 +352,7 @@ def run_quant(args):
 
 def format_table(rows):
     head = (f"{'quant':>11} {'world':>5} {'hidden':>6} {'T':>5} {'MiB':>6} {'a us':>7} {'a0 us':>7} {'b us':>7} "
-            f"{'c us':>7} {'u us':>7} {'a/b':>6} {'a0/b':>6} {'a/c':>6} {'u/b':>6} {'1shot':>7} {'2shot':>7}  b path")
+            f"{'c us':>7} {'u us':>7} {'a1 us':>7} {'d us':>7} {'ur us':>7} {'a0r us':>7} {'a/b':>6} {'a0/b':>6} {'a/c':>6} {'u/b':>6} {'1shot':>7} {'2shot':>7}  b path")
     lines = [head]
     for r in rows:
         def us(key):
@@ -338,7 +362,8 @@ def format_table(rows):
             return f"{r[num] / r[den]:5.2f}x" if num in r and den in r else f"{'-':>6}"
 
         lines.append(f"{r.get('quant', 'none'):>11} {r['world']:>5} {r['hidden']:>6} {r['tokens']:>5} {r['bytes_per_rank'] / 2**20:6.2f} "
-                     f"{us('a_us')} {us('a0_us')} {us('b_us')} {us('c_us')} {us('u_us')} {ratio('a_us', 'b_us')} "
+                     f"{us('a_us')} {us('a0_us')} {us('b_us')} {us('c_us')} {us('u_us')} {us('a1_us')} {us('d_us')} "
+                     f"{us('ur_us')} {us('a0r_us')} {ratio('a_us', 'b_us')} "
                      f"{ratio('a0_us', 'b_us')} {ratio('a_us', 'c_us')} {ratio('u_us', 'b_us')} {us('fi_1shot_us')} "
                      f"{us('fi_2shot_us')}  "
                      f"{r['b_path']}")

@@ -45,12 +45,13 @@ def test_gpu_fallback_is_all_reduce_plus_compiled_norm(world_of_one, monkeypatch
     used, real = [], ops.compiled
     monkeypatch.setattr(ops, "compiled", lambda fn: used.append(fn) or real(fn))
     reduced = []
-    real_ar = reference.all_reduce_sum
-    monkeypatch.setattr(reference, "all_reduce_sum", lambda x, g: reduced.append(g) or real_ar(x, g))
+    real_ar = ops.all_reduce_on_current_stream  # blocking dist.all_reduce: NCCL on the caller's stream
+    monkeypatch.setattr(ops, "all_reduce_on_current_stream", lambda x, g: reduced.append(g) or real_ar(x, g))
     x, res, w = inputs()
+    want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
+    monkeypatch.setattr(reference, "all_reduce_sum", lambda x, g: pytest.fail("functional all_reduce used"))
     got = declined_call(world_of_one, x, res, w)
     assert used == [reference.add_rms_norm] and reduced == [world_of_one]
-    want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
     assert [t.shape for t in got] == [t.shape for t in want]
     assert [t.dtype for t in got] == [t.dtype for t in want]
     assert torch.equal(got[0], want[0])

@@ -72,6 +72,8 @@ for s in "$@"; do
       tail -25 "$OUT/decode2b.log" ;;
     decode4) stage decode4 "${LIMIT:-560}" $TORCHRUN 4 benchmarks/bench_hf_decode.py \
       --phases decode accuracy kernels prefill loop --budget-s 420 --out "$OUT" ;;
+    decode4b) stage decode4b "${LIMIT:-570}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases startup loop generate \
+      --tag b --budget-s 470 --out "$OUT" ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
