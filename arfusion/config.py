@@ -41,6 +41,9 @@ class PassConfig:
     max_size_mb: per world size, the largest per-rank input (MiB, inclusive) that is fused;
         it overrides the backend's own table (0 turns fusion off for that world size).
     quant_forms: which quantization tails may be fused into the same op.
+    unfused_on_current_stream: a matched site left unfused at compile time gets its all-reduce
+        as a blocking NCCL call on the caller's stream instead of Inductor's side-stream one
+        (GPUs only; 2-5% faster per site inside CUDA graphs on H200, docs/benchmarks.md).
     """
 
     enable_allreduce_fusion: bool = False
@@ -48,6 +51,7 @@ class PassConfig:
     max_size_mb: dict[int, float] = field(default_factory=dict)
     enable_quant_fusion: bool = True
     quant_forms: tuple[str, ...] = QUANT_FORMS
+    unfused_on_current_stream: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:

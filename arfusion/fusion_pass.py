@@ -21,10 +21,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, stable_topological_sort
 
 from . import backends, patterns, quant, stats
-from .graph_utils import dedupe_pure_nodes
+from .graph_utils import dedupe_pure_nodes, move_all_reduce_to_current_stream
 from .backends.base import Call, num_tokens
 from .config import PassConfig, env_disabled
-from .ops import group_size, site_of
+from .ops import current_stream_pays, group_size, site_of
 from .version import __version__
 
 log = logging.getLogger("arfusion")
@@ -50,6 +50,7 @@ class ArFusionPass(CustomGraphPass):
     def __init__(self, config: PassConfig | None = None):
         self.config = config if config is not None else PassConfig(enable_allreduce_fusion=True)
         self._declined: Counter[str] = Counter()
+        self._left_unfused: set[torch.fx.Node] = set()  # declined sites' all_reduce nodes
         # Built here, not inside the first compile, where the same loop runs ~100x slower.
         patterns.all_specs(self.config.fused_quant_forms())
 
@@ -80,6 +81,7 @@ class ArFusionPass(CustomGraphPass):
             return
         before = _fused_sites(graph)
         self._declined.clear()
+        self._left_unfused.clear()
         features = patterns.GraphFeatures.of(graph)
         if features.fp8_dtypes:
             # torchao re-quantizes the norm output once per consuming linear (q, k, v, ...);
@@ -90,13 +92,18 @@ class ArFusionPass(CustomGraphPass):
         # A replacement lands where the matched output was; an input it reads (Gemma's 1 + w)
         # may be defined later in the graph.
         stable_topological_sort(graph)
+        # A site declined by one pattern may still have been fused by a smaller one.
+        alive = [n for n in graph.nodes if n in self._left_unfused]
+        moved = sum(move_all_reduce_to_current_stream(graph, n) for n in alive)
+        self._left_unfused.clear()
         graph.eliminate_dead_code()
         fused = _fused_sites(graph) - before
         stats.record_graph(fused)
         left = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
-        log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s", sum(fused.values()),
-                 dict(fused) or "", left,
-                 f" (declined: {dict(self._declined)})" if self._declined else "")
+        log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s%s", sum(fused.values()),
+                 dict(fused) or "", left + moved,
+                 f" (declined: {dict(self._declined)})" if self._declined else "",
+                 f"; {moved} of them run on the caller's stream" if moved else "")
 
     def _patterns_for(self, group_name: str, features: patterns.GraphFeatures) -> PatternMatcherPass:
         """The group's pattern pass, with every spec this graph may need registered."""
@@ -147,6 +154,8 @@ class ArFusionPass(CustomGraphPass):
         if reason:
             self._declined[spec.site.name] += 1
             log.info("arfusion: %s site at %s not fused: %s", spec.site.name, match.nodes[-1], reason)
+            if self.config.unfused_on_current_stream and current_stream_pays(x.device):
+                self._left_unfused.add(next(n for n in match.nodes if n.target is ALL_REDUCE))
             return False
         return True
 

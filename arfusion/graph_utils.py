@@ -1,8 +1,13 @@
-"""Small FX graph helpers the pass needs before matching."""
+"""Small FX graph helpers the pass needs before and after matching."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
+
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _pure(node: torch.fx.Node) -> bool:
@@ -38,3 +43,26 @@ def _hashable(value):
     if isinstance(value, dict):
         return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
     return value
+
+
+def move_all_reduce_to_current_stream(graph: torch.fx.Graph, all_reduce: torch.fx.Node) -> bool:
+    """Replace `wait_tensor(all_reduce(x, "sum", group))` by arfusion's in-place all-reduce on
+    the caller's stream, wrapped as a functional op: Inductor's re-inplacing pass (after the
+    custom passes) reduces `x` in place where nothing else reads it, and copies it otherwise."""
+    waits = list(all_reduce.users)
+    x, op, group_name = all_reduce.args[:3]
+    if op != "sum" or not waits or any(w.target is not WAIT for w in waits):
+        return False
+    reduced_val = all_reduce.meta.get("val")
+    with graph.inserting_before(all_reduce):
+        functional = graph.call_function(torch.ops.higher_order.auto_functionalized,
+                                         (torch.ops.arfusion.all_reduce_.default,),
+                                         {"x": x, "group_name": group_name})
+        reduced = graph.call_function(operator.getitem, (functional, 1))  # (op's None, new x)
+    functional.meta["val"] = (None, reduced_val)
+    reduced.meta["val"] = reduced_val
+    for w in waits:
+        w.replace_all_uses_with(reduced)
+        graph.erase_node(w)
+    graph.erase_node(all_reduce)
+    return True

@@ -86,15 +86,36 @@ def unfused(x, residual, weight, eps, group_name, site, quant_scale):
 
 
 def all_reduce_on_current_stream(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of `x` over the group, as a new tensor, with NCCL on the caller's stream.
-
-    A blocking dist.all_reduce runs on the current stream; the functional collective runs on
-    NCCL's own stream and joins back, which inside a CUDA graph cost a few microseconds more
-    per call on H200 (docs/benchmarks.md, column a1).
-    """
+    """Sum of `x` over the group, as a new tensor, with NCCL on the caller's stream."""
     reduced = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(reduced, group=dist.distributed_c10d._resolve_process_group(group_name))
+    all_reduce_in_place(reduced, group_name)
     return reduced
+
+
+def current_stream_pays(device: torch.device) -> bool:
+    """Whether an all-reduce left unfused should run on the caller's stream (see below)."""
+    return device.type == "cuda"
+
+
+@torch.library.custom_op("arfusion::all_reduce_", mutates_args=("x",))
+def all_reduce_in_place(x: torch.Tensor, group_name: str) -> None:
+    """Sum `x` over the group in place, with NCCL on the caller's stream.
+
+    A blocking dist.all_reduce runs on the current stream; the functional collective (and so
+    Inductor's own all-reduce) runs on NCCL's side stream and joins back, which inside a CUDA
+    graph cost 4-8 us more per call on H200 at 16-64 MiB (docs/benchmarks.md, column a1). The
+    pass puts the all-reduce of a site it leaves unfused here; mutating `x` lets Inductor reduce
+    a dead intermediate (a row-parallel matmul's output) in place and copy anything else.
+    """
+    target = x if x.is_contiguous() else x.contiguous()  # NCCL needs dense memory
+    dist.all_reduce(target, group=dist.distributed_c10d._resolve_process_group(group_name))
+    if target is not x:
+        x.copy_(target)
+
+
+@all_reduce_in_place.register_fake
+def _all_reduce_in_place_fake(x, group_name):
+    return None
 
 
 def group_size(group_name: str) -> int:

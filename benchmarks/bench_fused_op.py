@@ -17,9 +17,9 @@ aligned by a barrier before each replay):
   a1  where b is left unfused: (a) with the all_reduce issued async (NCCL's own stream, joined
       back by wait(), as a functional collective and so Inductor's graph issue it)
   d   where b is left unfused: arfusion's op declining the call (its own unfused path)
-  ur, a0r  where b is left unfused, as in a model (the all-reduce input made inside the step,
-      here x * 2, so it may be reduced in place): Inductor's graph, and eager x * 2 + NCCL in
-      place + the compiled norm
+  ur, a0r, br  where b is left unfused, as in a model (the all-reduce input made inside the
+      step, here x * 2, so it may be reduced in place): Inductor's graph, eager x * 2 + NCCL in
+      place + the compiled norm, and the graph compiled with the pass
 With --variants (first hidden only), FlashInfer forced one-shot / two-shot at every size, and for
 T <= 512 with PDL off, fp32 accumulation off, and both off (how the probe calls FlashInfer).
 
@@ -154,6 +154,8 @@ def run(args):
         arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto")))
     model_u = torch.compile(make_model_fn(gname), dynamic=False)
     model_ur = torch.compile(make_model_fn(gname, produce_input=True), dynamic=False)
+    model_br = torch.compile(make_model_fn(gname, produce_input=True), dynamic=False, options=arfusion.inductor_options(
+        arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto")))
 
     def timed(fn):
         # Ranks start a replay a few microseconds apart and the first call absorbs that skew:
@@ -216,6 +218,8 @@ def run(args):
                 row["d_us"] = timed(lambda: tuning.fused_step(x, res, weight, EPS, gname, 0))
                 row["ur_us"] = timed(lambda: model_ur(x, res, weight))
                 row["a0r_us"] = timed(unfused_inplace_produced)
+                row["br_us"] = timed(lambda: model_br(x, res, weight))
+                row["br_err"] = rel_err(model_br(x, res, weight)[0], model_ur(x, res, weight)[0])
 
             if nbytes <= dispatch.HARD_MAX_FUSED_BYTES and not isinstance(backend, str):
                 forced = lambda: tuning.fused_step(x, res, weight, EPS, gname, dispatch.HARD_MAX_FUSED_BYTES)
@@ -352,7 +356,7 @@ def run_quant(args):
 
 def format_table(rows):
     head = (f"{'quant':>11} {'world':>5} {'hidden':>6} {'T':>5} {'MiB':>6} {'a us':>7} {'a0 us':>7} {'b us':>7} "
-            f"{'c us':>7} {'u us':>7} {'a1 us':>7} {'d us':>7} {'ur us':>7} {'a0r us':>7} {'a/b':>6} {'a0/b':>6} {'a/c':>6} {'u/b':>6} {'1shot':>7} {'2shot':>7}  b path")
+            f"{'c us':>7} {'u us':>7} {'a1 us':>7} {'d us':>7} {'ur us':>7} {'a0r us':>7} {'br us':>7} {'a/b':>6} {'a0/b':>6} {'a/c':>6} {'u/b':>6} {'1shot':>7} {'2shot':>7}  b path")
     lines = [head]
     for r in rows:
         def us(key):
@@ -363,7 +367,7 @@ def format_table(rows):
 
         lines.append(f"{r.get('quant', 'none'):>11} {r['world']:>5} {r['hidden']:>6} {r['tokens']:>5} {r['bytes_per_rank'] / 2**20:6.2f} "
                      f"{us('a_us')} {us('a0_us')} {us('b_us')} {us('c_us')} {us('u_us')} {us('a1_us')} {us('d_us')} "
-                     f"{us('ur_us')} {us('a0r_us')} {ratio('a_us', 'b_us')} "
+                     f"{us('ur_us')} {us('a0r_us')} {us('br_us')} {ratio('a_us', 'b_us')} "
                      f"{ratio('a0_us', 'b_us')} {ratio('a_us', 'c_us')} {ratio('u_us', 'b_us')} {us('fi_1shot_us')} "
                      f"{us('fi_2shot_us')}  "
                      f"{r['b_path']}")

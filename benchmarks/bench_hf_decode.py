@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import hashlib
 import json
 import os
@@ -526,6 +527,9 @@ class Bench:
             self.result["phases"][phase] = result
             self.save()
         self.say(format_table(self.result))
+        # A run once stopped here for minutes at TP=4 (after its results were saved): if that
+        # recurs, print where every thread is and exit instead of hanging.
+        faulthandler.dump_traceback_later(90, exit=True)
         dist.barrier()
         dist.destroy_process_group()
 

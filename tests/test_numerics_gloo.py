@@ -120,6 +120,54 @@ def _dp_by_tp(rank):
     assert_close(a_sum, e_sum, torch.bfloat16, "residual sum")
 
 
+def _declined_sites_on_callers_stream(rank):
+    """Sites declined at compile time, their all-reduce moved to the caller's stream: same
+    results as uncompiled, and a graph input that is all-reduced is left as it was."""
+    import logging
+
+    import torch.distributed._functional_collectives as funcol
+    from torch import nn
+
+    import arfusion
+    from .models import LlamaStyleRMSNorm, TinyDecoder
+
+    class ReducesItsInput(nn.Module):  # the all-reduce input is a graph input: must be copied
+        def __init__(self):
+            super().__init__()
+            self.norm = LlamaStyleRMSNorm(32)
+
+        def forward(self, y, residual):
+            h = residual + funcol.all_reduce(y, "sum", dist.group.WORLD)
+            return self.norm(h), h
+
+    arfusion.fusion_pass.current_stream_pays = lambda device: True  # as on CUDA (a spawned process)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("arfusion").addHandler(handler)
+    logging.getLogger("arfusion").setLevel(logging.INFO)
+    options = arfusion.inductor_options(arfusion.PassConfig(
+        enable_allreduce_fusion=True, backend="torch", max_size_mb={2: 0}))
+    torch.manual_seed(0)
+    decoder, direct = TinyDecoder(64, layers=2), ReducesItsInput()
+    torch.manual_seed(100 + rank)
+    cases = [(decoder, (torch.randn(1, 6, 64, dtype=torch.bfloat16),), False),
+             (direct, (torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(4, 32, dtype=torch.bfloat16)), False),
+             # dynamic shapes: sizes unknown at compile time, so the op is placed and declines at run time
+             (decoder, (torch.randn(1, 9, 64, dtype=torch.bfloat16),), True)]
+    for model, inputs, dynamic in cases:
+        torch._dynamo.reset()
+        before = [t.clone() for t in inputs]
+        with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+            expected = model(*inputs)
+            actual = torch.compile(model, options=options, dynamic=dynamic)(*inputs)
+        for a, e in zip(*(x if isinstance(x, (list, tuple)) else [x] for x in (actual, expected))):
+            assert_close(a, e, torch.bfloat16, f"{type(model).__name__} dynamic={dynamic}")
+        assert all(torch.equal(b, t) for b, t in zip(before, inputs)), "an input was modified"
+    assert sum("run on the caller's stream" in m for m in messages) == 2, messages
+    assert arfusion.stats()["dispatch"] == {"fallback": 5}
+
+
 # ------------------------------------------------------------------ tests
 
 
@@ -142,3 +190,7 @@ def test_op_outputs_land_where_named():
 
 def test_tp_subgroups_inside_a_larger_world():
     run_workers(_dp_by_tp, 4)
+
+
+def test_declined_sites_all_reduce_on_the_callers_stream():
+    run_workers(_declined_sites_on_callers_stream, 2)

@@ -172,6 +172,40 @@ def test_size_cap_declines_at_compile_time_and_says_why(fake_pg, caplog):
     assert "not fused" in caplog.text and "cap 1048" in caplog.text
 
 
+def _all_reduces_by_kind(module, *inputs, config):
+    """Compile with the pass; count the all-reduces it leaves: (functional, on the caller's stream)."""
+    seen = {}
+
+    def inspect(graph):
+        ours = torch.ops.arfusion.all_reduce_.default
+        seen["functional"] = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
+        seen["current_stream"] = sum(1 for n in graph.nodes if n.target is torch.ops.higher_order.auto_functionalized
+                                     and n.args[0] is ours)
+
+    options = {"post_grad_custom_post_pass": ChainedPass([ArFusionPass(config), inspect])}
+    with torch.no_grad():
+        torch.compile(module, options=options)(*inputs)
+    return seen["functional"], seen["current_stream"]
+
+
+def test_declined_site_all_reduces_on_the_callers_stream(fake_pg, monkeypatch, caplog):
+    capped = dict(enable_allreduce_fusion=True, backend="torch", max_size_mb={2: 0})
+    model, args = TinyDecoder(HIDDEN, layers=2), (torch.randn(1, 6, HIDDEN, dtype=torch.bfloat16),)
+    # On CPU the functional all-reduce stays (the gain is a CUDA-graph one).
+    assert _all_reduces_by_kind(model, *args, config=arfusion.PassConfig(**capped)) == (5, 0)
+    monkeypatch.setattr(arfusion.fusion_pass, "current_stream_pays", lambda device: True)  # as on CUDA
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        assert _all_reduces_by_kind(model, *args, config=arfusion.PassConfig(**capped)) == (0, 5)
+    assert "5 all_reduce left unfused" in caplog.text and "5 of them run on the caller's stream" in caplog.text
+    torch._dynamo.reset()
+    off = arfusion.PassConfig(**capped, unfused_on_current_stream=False)
+    assert _all_reduces_by_kind(model, *args, config=off) == (5, 0)
+    torch._dynamo.reset()  # fused sites are not touched
+    fused = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")
+    assert _all_reduces_by_kind(model, *args, config=fused) == (0, 0)
+
+
 def test_cap_for_another_world_size_does_not_apply(fake_pg):
     config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch", max_size_mb={4: 0})
     fused, _, _ = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16), config=config)

@@ -74,6 +74,8 @@ for s in "$@"; do
       --phases decode accuracy kernels prefill loop --budget-s 420 --out "$OUT" ;;
     decode4b) stage decode4b "${LIMIT:-570}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases startup loop generate \
       --tag b --budget-s 470 --out "$OUT" ;;
+    prefill4) stage prefill4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases prefill --tag prefill \
+      --out "$OUT" ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
