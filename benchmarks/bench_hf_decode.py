@@ -47,6 +47,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch._dynamo.utils
 
 import arfusion
 
@@ -61,6 +62,7 @@ PRESETS = {
 }
 PHASES = ("startup", "decode", "accuracy", "prefill", "kernels", "loop", "generate")
 CONFIGS = ("off", "on")
+LOOP_REPEATS = 5  # timed runs of the reduce-overhead loop (median reported)
 KERNEL_KINDS = (  # first match wins; lower-case substrings of kernel names
     ("fused_allreduce", ("allreduce_fusion", "allreducefusion", "fused_allreduce")),
     ("nccl", ("nccl",)),
@@ -265,6 +267,7 @@ class Bench:
             for c in counters:
                 c.fill_(length)
 
+        reset.counters = counters
         return reset
 
     # ------------------------------------------------------------------ phases
@@ -451,16 +454,28 @@ class Bench:
         for name in CONFIGS:
             fn = self.compile(name, reduce_overhead=True)
             cache, token = self.prefilled(1)
+            warmup = 3  # cudagraph trees record on the first calls
+            rewind = self.rewinder(cache, self.args.prompt + warmup)
+            # A host-bound loop is noisy: the median of a few runs over the same positions
+            # (one run where the cache cannot be rewound).
+            repeats = LOOP_REPEATS if rewind.counters else 1
+            samples, graphs = [], torch._dynamo.utils.counters["stats"]["unique_graphs"]
             with torch.no_grad():
-                for _ in range(3):  # cudagraph trees record on the first calls
+                for _ in range(warmup):
                     token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                self.sync()
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                self.sync()
-            rows[f"{name}_ms_per_token"] = round((time.perf_counter() - t0) * 1e3 / steps, 3)
+                for _ in range(repeats):
+                    rewind()
+                    self.sync()
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                    self.sync()
+                    samples.append(round((time.perf_counter() - t0) * 1e3 / steps, 3))
+            rows[f"{name}_ms_per_token"] = statistics.median(samples)
+            rows[f"{name}_ms_per_token_runs"] = samples
+            rows[f"{name}_graphs_compiled_while_timed"] = \
+                torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         decode = self.result["phases"].get("decode", {}).get("rows", [])
         step = next((r for r in decode if r["batch"] == 1), None)
         if step and self.cuda:

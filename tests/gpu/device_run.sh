@@ -76,6 +76,7 @@ for s in "$@"; do
       --tag b --budget-s 470 --out "$OUT" ;;
     prefill4) stage prefill4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases prefill --tag prefill \
       --out "$OUT" ;;
+    loop4) stage loop4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
