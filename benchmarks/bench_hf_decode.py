@@ -62,7 +62,7 @@ PRESETS = {
 }
 PHASES = ("startup", "decode", "accuracy", "prefill", "kernels", "loop", "generate")
 CONFIGS = ("off", "on")
-LOOP_REPEATS = 5  # timed runs of the reduce-overhead loop (median reported)
+LOOP_CHUNKS = 4  # the reduce-overhead loop's timed steps, in chunks (median chunk reported)
 KERNEL_KINDS = (  # first match wins; lower-case substrings of kernel names
     ("fused_allreduce", ("allreduce_fusion", "allreducefusion", "fused_allreduce")),
     ("nccl", ("nccl",)),
@@ -267,7 +267,6 @@ class Bench:
             for c in counters:
                 c.fill_(length)
 
-        reset.counters = counters
         return reset
 
     # ------------------------------------------------------------------ phases
@@ -454,26 +453,24 @@ class Bench:
         for name in CONFIGS:
             fn = self.compile(name, reduce_overhead=True)
             cache, token = self.prefilled(1)
-            warmup = 3  # cudagraph trees record on the first calls
-            rewind = self.rewinder(cache, self.args.prompt + warmup)
-            # A host-bound loop is noisy: the median of a few runs over the same positions
-            # (one run where the cache cannot be rewound).
-            repeats = LOOP_REPEATS if rewind.counters else 1
+            # A host-bound loop is noisy: the timed steps run in LOOP_CHUNKS chunks, and the
+            # median chunk is reported. (Rewinding the cache between runs instead made cudagraph
+            # trees re-record with live pool tensors and fail, on 4xH200.)
+            chunks = [steps // LOOP_CHUNKS + (i < steps % LOOP_CHUNKS) for i in range(LOOP_CHUNKS)]
             samples, graphs = [], torch._dynamo.utils.counters["stats"]["unique_graphs"]
             with torch.no_grad():
-                for _ in range(warmup):
+                for _ in range(3):  # cudagraph trees record on the first calls
                     token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                for _ in range(repeats):
-                    rewind()
-                    self.sync()
-                    dist.barrier()
+                self.sync()
+                dist.barrier()
+                for chunk in (c for c in chunks if c):
                     t0 = time.perf_counter()
-                    for _ in range(steps):
+                    for _ in range(chunk):
                         token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
                     self.sync()
-                    samples.append(round((time.perf_counter() - t0) * 1e3 / steps, 3))
+                    samples.append(round((time.perf_counter() - t0) * 1e3 / chunk, 3))
             rows[f"{name}_ms_per_token"] = statistics.median(samples)
-            rows[f"{name}_ms_per_token_runs"] = samples
+            rows[f"{name}_ms_per_token_chunks"] = samples
             rows[f"{name}_graphs_compiled_while_timed"] = \
                 torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         decode = self.result["phases"].get("decode", {}).get("rows", [])
@@ -546,6 +543,11 @@ class Bench:
         # recurs, print where every thread is and exit instead of hanging.
         faulthandler.dump_traceback_later(90, exit=True)
         dist.barrier()
+        # That hang was inside destroy_process_group, with FlashInfer workspaces still mapped
+        # (freed at exit by default): free them first, as bench_fused_op does.
+        backend = get_backend("flashinfer")
+        if not isinstance(backend, str):
+            backend.close()
         dist.destroy_process_group()
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .. import reference
 from ..config import QUANT_FORMS
-from .base import Backend, Call, Capabilities, flatten_tokens
+from .base import Backend, Call, Capabilities, flatten_tokens, outside_graph_pools
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -554,7 +554,8 @@ class AiterBackend(Backend):
                 return found
             if _capturing():
                 return "aiter set-up is not done during CUDA graph capture; run one eager step first"
-            comm = create_communicator(found.custom_ar, call.group_name, call.device)
+            with outside_graph_pools(call.device):
+                comm = create_communicator(found.custom_ar, call.group_name, call.device)
             self._communicators[call.group_name] = comm
         return comm
 

@@ -8,9 +8,10 @@ path and a collective kernel is never entered by only some of them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -157,3 +158,23 @@ def flatten_tokens(t: torch.Tensor) -> torch.Tensor:
 
 def num_tokens(shape: Sequence[int]) -> int:
     return math.prod(shape[:-1])
+
+
+@contextlib.contextmanager
+def outside_graph_pools(device: torch.device) -> Iterator[None]:
+    """Allocate what outlives a call (workspaces, a cached zero residual) from the ordinary pool.
+
+    During the eager warm-up of torch.compile(mode="reduce-overhead"), cudagraph trees send the
+    current stream's allocations to the graph's private pool, and later refuse to run while
+    tensors they do not track live there ("tensor(s) in the cudagraph pool not tracked as
+    outputs"). That routing is per stream, so a side stream allocates outside it.
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        yield
+        return
+    main = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield
+    main.wait_stream(side)

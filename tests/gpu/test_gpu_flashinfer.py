@@ -48,3 +48,12 @@ def test_hf_example_runs_fused_on_two_gpus():
     assert summary["fused_sites"] > 0 and summary["dispatch"].get("flashinfer", 0) > 0, summary
     assert summary["dispatch"].get("fallback", 0) == 0, summary
     assert summary["max_rel_diff"] < 5e-2, summary
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_first_fused_call_inside_reduce_overhead(world):
+    if GPUS < world:
+        pytest.skip(f"needs {world} NVIDIA GPUs, found {GPUS}")
+    done = torchrun(world, "tests/gpu/check_first_call_in_cudagraphs.py", timeout=300)
+    assert done.returncode == 0, done.stdout[-5000:]
+    assert "FIRST CALL IN CUDAGRAPHS" in done.stdout and ": PASS" in done.stdout, done.stdout[-3000:]
