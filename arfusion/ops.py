@@ -1,8 +1,12 @@
-"""The fused op every pattern replacement calls.
+"""The ops the pass puts into graphs.
 
-It is functional (returns fresh tensors, mutates nothing), so the rewritten graph needs no
-auto_functionalized bookkeeping. At run time it asks the backend whether this call can be
-fused and otherwise computes the unfused result itself: the answer is always right.
+`arfusion::fused_allreduce_rmsnorm`, what every pattern replacement calls, is functional
+(returns fresh tensors, mutates nothing), so the rewritten graph needs no auto_functionalized
+bookkeeping. At run time it asks the backend whether this call can be fused and otherwise
+computes the unfused result itself: the answer is always right.
+
+`arfusion::all_reduce_` is the all-reduce of a site the pass leaves unfused, moved onto the
+caller's stream (it mutates its input; the pass wraps it in auto_functionalized).
 """
 
 from __future__ import annotations

@@ -7,6 +7,13 @@ last mantissa bit of a random fraction of the residual stream's elements is flip
 step, as two implementations that round one addition differently produce), and the logits of
 16 random tokens are compared with the unperturbed forward: the noise floor that fused-vs-unfused
 comparisons on random weights (bench_hf_decode.py's accuracy phase) cannot go below.
+
+    python benchmarks/hf_rounding_sensitivity.py --perturb norm-rounding
+
+instead computes every RMSNorm as FlashInfer's fused kernel does, `bf16(h * rsqrt(var + eps) * w)`
+with one rounding, where HF rounds the normalized value to bf16 before multiplying by the weight
+(two roundings): at TP=2 the only difference between the fused and the unfused graph's math
+(both sum two ranks exactly and round once; the residual add rounds the same).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--perturb", choices=("nudge", "norm-rounding"), default="nudge")
     args = p.parse_args()
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -46,6 +54,9 @@ def main() -> None:
         nudged = torch.where(mask, bits ^ 1, bits).view(torch.bfloat16)
         return (nudged, *output[1:]) if isinstance(output, tuple) else nudged
 
+    if args.perturb == "norm-rounding":
+        single_rounding(model, ids)
+        return
     for layer in model.model.layers:
         layer.register_forward_hook(nudge)
     with torch.no_grad():
@@ -57,6 +68,36 @@ def main() -> None:
             top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
             print(f"fraction {args.fraction:.4f}, seed {seed}: logits rel L2 max {rel.max():.2e}, "
                   f"median {rel.median():.2e}; top-1 agreement {100 * top1:.1f}%", flush=True)
+
+
+def single_rounding(model, ids) -> None:
+    """Logits with every RMSNorm rounded once (FlashInfer) vs twice (HF), and how many norm
+    output elements the two roundings tell apart."""
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    counts = {"differ": 0, "total": 0}
+    mode = {"single": False}
+
+    def forward(self, h):
+        hf = h.float()
+        normalized = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        twice = self.weight * normalized.to(h.dtype)
+        once = (normalized * self.weight.float()).to(h.dtype)
+        counts["differ"] += (once != twice).sum().item()
+        counts["total"] += once.numel()
+        return once if mode["single"] else twice
+
+    for norm in norms:
+        norm.forward = forward.__get__(norm)
+    with torch.no_grad():
+        reference = model(ids).logits.float()
+        mode["single"] = True
+        counts.update(differ=0, total=0)
+        logits = model(ids).logits.float()
+    rel = ((logits - reference).norm(dim=-1) / reference.norm(dim=-1))[0]
+    top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    print(f"norm rounded once vs twice: {100 * counts['differ'] / counts['total']:.1f}% of norm outputs "
+          f"differ; logits rel L2 max {rel.max():.2e}, median {rel.median():.2e}; "
+          f"top-1 agreement {100 * top1:.1f}%", flush=True)
 
 
 if __name__ == "__main__":
