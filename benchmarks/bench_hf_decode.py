@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch._dynamo.utils
 
 import arfusion
+from arfusion.backends import get_backend
 
 # Real models' shapes (random weights): Llama-3-8B, Qwen3-8B, Gemma-7B.
 PRESETS = {
@@ -347,7 +348,7 @@ class Bench:
                         for t in (layer.keys, layer.values):
                             torch._dynamo.maybe_mark_dynamic(t, 0)
                 before = arfusion.stats()
-                step = lambda: fn(input_ids=token, past_key_values=cache, use_cache=True).logits
+                step = lambda cache=cache: fn(input_ids=token, past_key_values=cache, use_cache=True).logits
                 row[f"{name}_ms"] = self.time_step(step, self.rewinder(cache, self.args.prompt))
                 after = arfusion.stats()
                 row[f"{name}_dispatch"] = {k: v - before["dispatch"].get(k, 0) for k, v in after["dispatch"].items()
@@ -457,7 +458,8 @@ class Bench:
             # median chunk is reported. (Rewinding the cache between runs instead made cudagraph
             # trees re-record with live pool tensors and fail, on 4xH200.)
             chunks = [steps // LOOP_CHUNKS + (i < steps % LOOP_CHUNKS) for i in range(LOOP_CHUNKS)]
-            samples, graphs = [], torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            counters = torch._dynamo.utils.counters
+            samples, graphs, skips = [], counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
             with torch.no_grad():
                 for _ in range(3):  # cudagraph trees record on the first calls
                     token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -471,8 +473,8 @@ class Bench:
                     samples.append(round((time.perf_counter() - t0) * 1e3 / chunk, 3))
             rows[f"{name}_ms_per_token"] = statistics.median(samples)
             rows[f"{name}_ms_per_token_chunks"] = samples
-            rows[f"{name}_graphs_compiled_while_timed"] = \
-                torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+            rows[f"{name}_graphs_compiled"] = counters["stats"]["unique_graphs"] - graphs  # includes warm-up
+            rows[f"{name}_cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skips
         decode = self.result["phases"].get("decode", {}).get("rows", [])
         step = next((r for r in decode if r["batch"] == 1), None)
         if step and self.cuda:
