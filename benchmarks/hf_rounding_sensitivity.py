@@ -66,7 +66,7 @@ def main() -> None:
             logits = model(ids).logits.float()
             rel = ((logits - reference).norm(dim=-1) / reference.norm(dim=-1))[0]
             top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-            print(f"fraction {args.fraction:.4f}, seed {seed}: logits rel L2 max {rel.max():.2e}, "
+            print(f"fraction {args.fraction:.2e}, seed {seed}: logits rel L2 max {rel.max():.2e}, "
                   f"median {rel.median():.2e}; top-1 agreement {100 * top1:.1f}%", flush=True)
 
 
