@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, stable_topological_sort
 
 from . import backends, patterns, quant, stats
-from .graph_utils import dedupe_pure_nodes, move_all_reduce_to_current_stream
+from .graph_utils import ALL_REDUCE, dedupe_pure_nodes, move_all_reduce_to_current_stream
 from .backends.base import Call, num_tokens
 from .config import PassConfig, env_disabled
 from .ops import current_stream_pays, group_size, site_of
@@ -29,7 +29,6 @@ from .version import __version__
 
 log = logging.getLogger("arfusion")
 
-ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
 _SLOT = "post_grad_custom_post_pass"
 
