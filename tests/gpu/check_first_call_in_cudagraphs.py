@@ -14,12 +14,15 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._dynamo.utils import counters
 
-import arfusion
-from tests.models import RowParallelThenNorm
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # check_flashinfer; tests.models
+import check_flashinfer as cf  # noqa: E402
+
+import arfusion  # noqa: E402
+from tests.models import RowParallelThenNorm  # noqa: E402
 
 HIDDEN, TOKENS, CALLS = 4096, 8, 6
 
@@ -35,13 +38,11 @@ class TwoSites(nn.Module):
         return self.without(normed, h), h
 
 
-def main() -> int:
-    rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    torch._inductor.config.fx_graph_cache = False
+def main() -> None:
+    rank, world, device = cf.start_distributed(recompile_limit=8)
+    checks = cf.Checks(rank)
     torch.manual_seed(0)
-    model = TwoSites().cuda()
+    model = TwoSites().to(device)
     arfusion.enable(arfusion.PassConfig(enable_allreduce_fusion=True, backend="flashinfer"))
     compiled = torch.compile(model, mode="reduce-overhead")
     worst, failure = 0.0, None
@@ -49,25 +50,22 @@ def main() -> int:
         with torch.no_grad():
             for i in range(CALLS):
                 torch.manual_seed(100 * i + rank)
-                x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
-                res = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+                x = torch.randn(TOKENS, HIDDEN, device=device, dtype=torch.bfloat16)
+                res = torch.randn(TOKENS, HIDDEN, device=device, dtype=torch.bfloat16)
                 got = [t.clone() for t in compiled(x, res)]
                 want = model(x, res)
                 for g, w in zip(got, want):
                     worst = max(worst, ((g.float() - w.float()).norm() / w.float().norm()).item())
     except Exception as e:  # the same on every rank
         failure = f"{type(e).__name__}: {str(e)[:400]}"
-    s = arfusion.stats()
+    s, skips = arfusion.stats(), counters["inductor"]["cudagraph_skips"]
     ok = (failure is None and worst < 2e-2 and s["fused_sites"] == 2 and s["dispatch"].get("flashinfer", 0) > 0
-          and "fallback" not in s["dispatch"] and counters["inductor"]["cudagraph_skips"] == 0)
-    if rank == 0:
-        print(f"FIRST CALL IN CUDAGRAPHS world={dist.get_world_size()}: {'PASS' if ok else 'FAIL'} "
-              f"worst rel {worst:.2e}, stats {s}, cudagraph skips {counters['inductor']['cudagraph_skips']}, "
-              f"error {failure}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()  # the FlashInfer workspace is freed at exit, as in a user's script
-    return 0 if ok else 1
+          and "fallback" not in s["dispatch"] and skips == 0)
+    checks.record("first fused call inside reduce-overhead", ok,
+                  f"worst rel {worst:.2e}, stats {s}, cudagraph skips {skips}, error {failure}")
+    # The FlashInfer workspace is left to the exit hook, as in a user's script.
+    cf.finish(checks, device, world, "FIRST CALL IN CUDAGRAPHS", "gpu_first_call")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -56,4 +56,5 @@ def test_first_fused_call_inside_reduce_overhead(world):
         pytest.skip(f"needs {world} NVIDIA GPUs, found {GPUS}")
     done = torchrun(world, "tests/gpu/check_first_call_in_cudagraphs.py", timeout=300)
     assert done.returncode == 0, done.stdout[-5000:]
-    assert "FIRST CALL IN CUDAGRAPHS" in done.stdout and ": PASS" in done.stdout, done.stdout[-3000:]
+    assert "FIRST CALL IN CUDAGRAPHS world=" in done.stdout and "0 failed on the worst rank" in done.stdout, \
+        done.stdout[-3000:]
