@@ -449,9 +449,36 @@ class Bench:
         out["note"] = "5 uncaptured compiled steps at batch 1, per step"
         return out
 
+    @staticmethod
+    @contextlib.contextmanager
+    def cudagraph_tree_work(tally: dict):
+        """Counts what cudagraph trees do per call (eager warm-ups, recordings, replays): a loop
+        that keeps warming up or re-recording is host-bound for a reason other than Python."""
+        if not torch.cuda.is_available():
+            yield tally
+            return
+        from torch._inductor import cudagraph_trees as trees
+
+        manager = trees.CUDAGraphTreeManager
+        saved = {name: getattr(manager, name) for name in ("run_eager", "record_function", "execute_node")}
+
+        def counting(name):
+            def wrapper(*a, **k):
+                tally[name] = tally.get(name, 0) + 1
+                return saved[name](*a, **k)
+            return wrapper
+
+        for name in saved:
+            setattr(manager, name, counting(name))
+        try:
+            yield tally
+        finally:
+            for name, fn in saved.items():
+                setattr(manager, name, fn)
+
     def phase_loop(self):
         steps, rows = self.args.steps, {}
-        for name in CONFIGS:
+        for name in self.args.loop_order:
             fn = self.compile(name, reduce_overhead=True)
             cache, token = self.prefilled(1)
             # A host-bound loop is noisy: the timed steps run in LOOP_CHUNKS chunks, and the
@@ -460,17 +487,23 @@ class Bench:
             chunks = [steps // LOOP_CHUNKS + (i < steps % LOOP_CHUNKS) for i in range(LOOP_CHUNKS)]
             counters = torch._dynamo.utils.counters
             samples, graphs, skips = [], counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+            warm, timed = {}, {}
             with torch.no_grad():
-                for _ in range(3):  # cudagraph trees record on the first calls
-                    token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                with self.cudagraph_tree_work(warm):
+                    for _ in range(3):  # cudagraph trees record on the first calls
+                        token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
                 self.sync()
                 dist.barrier()
-                for chunk in (c for c in chunks if c):
-                    t0 = time.perf_counter()
-                    for _ in range(chunk):
-                        token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-                    self.sync()
-                    samples.append(round((time.perf_counter() - t0) * 1e3 / chunk, 3))
+                with self.cudagraph_tree_work(timed):
+                    for chunk in (c for c in chunks if c):
+                        t0 = time.perf_counter()
+                        for _ in range(chunk):
+                            token = fn(input_ids=token, past_key_values=cache,
+                                       use_cache=True).logits[:, -1:].argmax(-1)
+                        self.sync()
+                        samples.append(round((time.perf_counter() - t0) * 1e3 / chunk, 3))
+            rows[f"{name}_cudagraph_calls_warmup"] = warm
+            rows[f"{name}_cudagraph_calls_timed"] = timed
             rows[f"{name}_ms_per_token"] = statistics.median(samples)
             rows[f"{name}_ms_per_token_chunks"] = samples
             rows[f"{name}_graphs_compiled"] = counters["stats"]["unique_graphs"] - graphs  # includes warm-up
@@ -649,6 +682,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=32, help="teacher-forced steps; also loop/generate tokens")
     p.add_argument("--replays", type=int, default=100, help="CUDA-graph replays per decode measurement")
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    p.add_argument("--loop-order", nargs=2, default=list(CONFIGS), choices=CONFIGS,
+                   help="which config the loop phase runs first (the second inherits a warm process)")
     p.add_argument("--budget-s", type=float, default=0, help="skip phases that would start after this many seconds")
     p.add_argument("--strict", action="store_true", help="raise on a failing phase (tests)")
     p.add_argument("--ckpt-dir", default=None, help="where random checkpoints are written (default: temp dir)")

@@ -77,6 +77,8 @@ for s in "$@"; do
     prefill4) stage prefill4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases prefill --tag prefill \
       --out "$OUT" ;;
     loop4) stage loop4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
+    loop4r) stage loop4r "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
+      --tag loop_on_first --out "$OUT" ;;
     first2) stage first2 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[2]" ;;
     first4) stage first4 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[4]" ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
