@@ -76,6 +76,9 @@ for s in "$@"; do
       --tag b --budget-s 470 --out "$OUT" ;;
     prefill4) stage prefill4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases prefill --tag prefill \
       --out "$OUT" ;;
+    loop2) stage loop2 "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
+    loop2r) stage loop2r "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
+      --tag loop_on_first --out "$OUT" ;;
     loop4) stage loop4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     loop4r) stage loop4r "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
       --tag loop_on_first --out "$OUT" ;;
