@@ -286,6 +286,20 @@ def test_capture_without_workspace_declines(backend, monkeypatch):
     assert "capture" in backend.prepare(call(8))
 
 
+def test_long_lived_buffers_are_made_on_a_helper_thread():
+    # cudagraph trees route every allocation of the warming-up *thread* to the graph's pool, so
+    # workspaces are made on another thread; its result and its errors come back to the caller.
+    import threading
+
+    from arfusion.backends.base import on_helper_thread, outside_graph_pools
+
+    caller = threading.get_ident()
+    assert on_helper_thread(threading.get_ident) != caller
+    with pytest.raises(ValueError, match="from the helper"):
+        on_helper_thread(lambda: (_ for _ in ()).throw(ValueError("from the helper")))
+    assert outside_graph_pools(torch.device("cpu"), threading.get_ident) == caller  # nothing to avoid
+
+
 def test_no_forbidden_flashinfer_backends_in_source():
     source = Path(fi.__file__).read_text()
     assert 'FI_BACKEND = "trtllm"' in source and "backend=FI_BACKEND" in source

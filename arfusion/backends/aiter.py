@@ -554,8 +554,8 @@ class AiterBackend(Backend):
                 return found
             if _capturing():
                 return "aiter set-up is not done during CUDA graph capture; run one eager step first"
-            with outside_graph_pools(call.device):
-                comm = create_communicator(found.custom_ar, call.group_name, call.device)
+            comm = outside_graph_pools(
+                call.device, lambda: create_communicator(found.custom_ar, call.group_name, call.device))
             self._communicators[call.group_name] = comm
         return comm
 

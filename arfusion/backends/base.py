@@ -8,12 +8,14 @@ path and a collective kernel is never entered by only some of them.
 
 from __future__ import annotations
 
-import contextlib
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Norm forms: "rms" is y = w * norm(x).to(dtype) (Llama/Qwen/Mistral),
 # "gemma_rms" is y = (norm(x) * (1 + w.float())).to(dtype).
@@ -160,21 +162,45 @@ def num_tokens(shape: Sequence[int]) -> int:
     return math.prod(shape[:-1])
 
 
-@contextlib.contextmanager
-def outside_graph_pools(device: torch.device) -> Iterator[None]:
-    """Allocate what outlives a call (workspaces, a cached zero residual) from the ordinary pool.
+def outside_graph_pools(device: torch.device, create: Callable[[], T]) -> T:
+    """create() with its allocations in the ordinary pool: for what outlives a call (workspaces,
+    a cached zero residual).
 
-    During the eager warm-up of torch.compile(mode="reduce-overhead"), cudagraph trees send the
-    current stream's allocations to the graph's private pool, and later refuse to run while
-    tensors they do not track live there ("tensor(s) in the cudagraph pool not tracked as
-    outputs"). That routing is per stream, so a side stream allocates outside it.
+    During the eager warm-up of torch.compile(mode="reduce-overhead"), cudagraph trees send every
+    allocation made by the current *thread* (any stream) to the graph's private pool, and later
+    refuse to run while tensors they do not track live there ("tensor(s) in the cudagraph pool
+    not tracked as outputs"; seen on 2xH200 and 4xH200). So create() runs on a helper thread,
+    with the caller blocked until it is done.
     """
     if device.type != "cuda" or not torch.cuda.is_available():
-        yield
-        return
-    main = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        yield
-    main.wait_stream(side)
+        return create()
+    caller_stream = torch.cuda.current_stream(device)
+
+    def on_device() -> T:
+        torch.cuda.set_device(device)  # a new thread starts on device 0
+        side = torch.cuda.Stream(device)
+        side.wait_stream(caller_stream)
+        with torch.cuda.stream(side):
+            made = create()
+        side.synchronize()  # once per workspace: the caller may use it on any stream
+        return made
+
+    return on_helper_thread(on_device)
+
+
+def on_helper_thread(fn: Callable[[], T]) -> T:
+    """fn() on a fresh thread while this one waits; its result, or its exception re-raised here."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="arfusion-outside-graph-pools")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

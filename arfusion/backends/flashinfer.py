@@ -218,13 +218,12 @@ class FlashInferBackend(Backend):
             # table's), so one workspace serves every shape and every captured graph.
             cap = max_bytes_override if max_bytes_override is not None else self.default_max_bytes(call)
             wanted = min(max(cap or 0, call.nbytes), dispatch.HARD_MAX_FUSED_BYTES)
-            with outside_graph_pools(call.device):
-                reason = self._create_workspace(state, call, wanted)
+            reason = outside_graph_pools(call.device, lambda: self._create_workspace(state, call, wanted))
             if reason:
                 return reason
         if not call.site.residual and call.dtype not in state.zeros and not _capturing():
-            with outside_graph_pools(call.device):
-                state.zeros[call.dtype] = torch.zeros(state.capacity_elems, dtype=call.dtype, device=call.device)
+            state.zeros[call.dtype] = outside_graph_pools(
+                call.device, lambda: torch.zeros(state.capacity_elems, dtype=call.dtype, device=call.device))
         return None
 
     def _fits(self, state: _GroupState, call: Call) -> bool:
