@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import gc
 import hashlib
 import json
 import os
@@ -578,8 +579,13 @@ class Bench:
         # recurs, print where every thread is and exit instead of hanging.
         faulthandler.dump_traceback_later(90, exit=True)
         dist.barrier()
-        # That hang was inside destroy_process_group, with FlashInfer workspaces still mapped
-        # (freed at exit by default): free them first, as bench_fused_op does.
+        # That hang was inside destroy_process_group (TP=4, and TP=2 after the loop phase, with
+        # FlashInfer already closed), while cudagraph trees still held graphs with NCCL kernels
+        # in them: free those graphs, then FlashInfer's workspaces, then the group.
+        torch._dynamo.reset()  # also shuts the cudagraph trees down
+        self.compiled.clear()
+        gc.collect()
+        self.sync()
         backend = get_backend("flashinfer")
         if not isinstance(backend, str):
             backend.close()
