@@ -97,8 +97,8 @@ class ArFusionPass(CustomGraphPass):
         self._left_unfused.clear()
         graph.eliminate_dead_code()
         fused = _fused_sites(graph) - before
-        stats.record_graph(fused)
         left = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
+        stats.record_graph(fused, unfused=left + moved, on_callers_stream=moved)
         log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s%s", sum(fused.values()),
                  dict(fused) or "", left + moved,
                  f" (declined: {dict(self._declined)})" if self._declined else "",

@@ -195,12 +195,20 @@ def test_declined_site_all_reduces_on_the_callers_stream(fake_pg, monkeypatch, c
     assert _all_reduces_by_kind(model, *args, config=arfusion.PassConfig(**capped)) == (5, 0)
     monkeypatch.setattr(arfusion.fusion_pass, "current_stream_pays", lambda device: True)  # as on CUDA
     torch._dynamo.reset()
+    before = arfusion.stats()
     with caplog.at_level(logging.INFO, logger="arfusion"):
         assert _all_reduces_by_kind(model, *args, config=arfusion.PassConfig(**capped)) == (0, 5)
     assert "5 all_reduce left unfused" in caplog.text and "5 of them run on the caller's stream" in caplog.text
+    after = arfusion.stats()
+    assert after["unfused_sites"] - before["unfused_sites"] == 5
+    assert after["unfused_on_callers_stream"] - before["unfused_on_callers_stream"] == 5
     torch._dynamo.reset()
     off = arfusion.PassConfig(**capped, unfused_on_current_stream=False)
+    before = arfusion.stats()
     assert _all_reduces_by_kind(model, *args, config=off) == (5, 0)
+    after = arfusion.stats()
+    assert (after["unfused_sites"] - before["unfused_sites"],
+            after["unfused_on_callers_stream"] - before["unfused_on_callers_stream"]) == (5, 0)
     torch._dynamo.reset()  # fused sites are not touched
     fused = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")
     assert _all_reduces_by_kind(model, *args, config=fused) == (0, 0)
