@@ -11,6 +11,7 @@ failing to build FlashInfer; a guard. Prints one line per check; exits non-zero 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -347,6 +348,12 @@ def finish(checks, device, world: int, title: str, stem: str) -> None:
         if out:
             with open(os.path.join(out, f"{stem}_w{world}.json"), "w") as f:
                 json.dump(checks.results, f, indent=1)
+    # destroy_process_group stalls while CUDA graphs holding NCCL kernels are alive
+    # (pytorch#115388; seen here once sites declined at compile time all-reduce inside
+    # cudagraph trees): shut the trees down first.
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
     sys.exit(1 if failed.item() else 0)
