@@ -15,7 +15,8 @@ so a run cut short keeps what it measured):
             from arfusion.stats()
   decode    the headline: the whole compiled decode step captured in one CUDA graph and replayed,
             median ms per step over --replays replays (CUDA events), batch 1, 8, 32; tokens/s
-  accuracy  teacher forcing: the same prompt and the same --steps tokens fed to eager, off and on;
+  accuracy  teacher forcing: the same prompt and the same --steps tokens fed to eager, off and on
+            (and to the same weights run in fp32, the reference all three are measured against);
             per step the logits' relative L2 error against eager and between on and off, and
             top-1 agreement (random weights make near ties common: both numbers, not one)
   prefill   one compiled (dynamic length) prefill captured per length (512, 2048), batch 1,
@@ -158,7 +159,7 @@ class Bench:
         hf_logging.set_verbosity_error()
         self.config = model_config(self.args, self.world)
         t0 = time.perf_counter()
-        path = random_checkpoint(self.config, self.device, self.args.ckpt_dir, self.args.init)
+        path = self.checkpoint = random_checkpoint(self.config, self.device, self.args.ckpt_dir, self.args.init)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, tp_plan="auto").eval()
         c = self.config
         self.result["meta"] = {
@@ -197,12 +198,13 @@ class Bench:
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, self.config.vocab_size, (batch, length), generator=g).to(self.device)
 
-    def prefilled(self, batch: int):
+    def prefilled(self, batch: int, model=None):
         """A static cache holding the same eager prefill for every config. One cache length for
         every phase: a new length would recompile the decode step (with dynamic sizes)."""
         cache = self.cache(self.args.prompt + 2 * self.args.steps + 16)
         with torch.no_grad():
-            out = self.model(input_ids=self.prompt(batch, self.args.prompt), past_key_values=cache, use_cache=True)
+            out = (model or self.model)(input_ids=self.prompt(batch, self.args.prompt), past_key_values=cache,
+                                        use_cache=True)
         return cache, out.logits[:, -1:].argmax(-1)
 
     def sync(self):
@@ -368,9 +370,14 @@ class Bench:
         steps = self.args.steps
         forced = self.prompt(1, steps, seed=7)  # the tokens fed at every step, same for all
         logits = {}
-        for name in ("eager", *CONFIGS):
-            fn = self.model if name == "eager" else self.compiled_model(name)
-            cache, _ = self.prefilled(1)
+        # The same bf16 weights run in fp32, eagerly: how far each bf16 run is from the exact
+        # result, so "on" can be compared with "off" against the truth and not only each other.
+        from transformers import AutoModelForCausalLM
+
+        exact = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32, tp_plan="auto").eval()
+        for name in ("fp32", "eager", *CONFIGS):
+            fn = {"fp32": exact, "eager": self.model}.get(name) or self.compiled_model(name)
+            cache, _ = self.prefilled(1, model=fn if name == "fp32" else None)
             per_step = []
             with torch.no_grad():
                 for i in range(steps):
@@ -378,6 +385,10 @@ class Bench:
                     out = fn(input_ids=token, past_key_values=cache, use_cache=True).logits
                     per_step.append(out[0, -1].float().clone())
             logits[name] = torch.stack(per_step)
+        del exact, cache
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
 
         def rel(a, b):
             return ((a - b).norm(dim=-1) / b.norm(dim=-1)).tolist()
@@ -392,6 +403,9 @@ class Bench:
                "on_vs_off_top1": agree(logits["on"], logits["off"]),
                "on_vs_eager_top1": agree(logits["on"], logits["eager"]),
                "off_vs_eager_top1": agree(logits["off"], logits["eager"])}
+        for name in ("eager", *CONFIGS):
+            out[f"{name}_vs_fp32_rel_l2"] = rel(logits[name], logits["fp32"])
+            out[f"{name}_vs_fp32_top1"] = agree(logits[name], logits["fp32"])
         summary = {k.replace("_rel_l2", "_max_rel_l2"): max(v) for k, v in out.items() if k.endswith("rel_l2")}
         summary.update({k: statistics.mean(v) for k, v in out.items() if k.endswith("top1")})
         out["summary"] = summary
@@ -610,6 +624,10 @@ def format_table(result: dict) -> str:
         lines.append(f"accuracy ({ph['accuracy']['steps']} steps): on vs off max rel L2 {s['on_vs_off_max_rel_l2']:.2e}, "
                      f"top-1 {100 * s['on_vs_off_top1']:.1f}%; off vs eager {s['off_vs_eager_max_rel_l2']:.2e} / "
                      f"{100 * s['off_vs_eager_top1']:.1f}%")
+        if "on_vs_fp32_max_rel_l2" in s:
+            lines.append("  vs the same weights in fp32 (max rel L2 / top-1): " + ", ".join(
+                f"{n} {s[f'{n}_vs_fp32_max_rel_l2']:.2e} / {100 * s[f'{n}_vs_fp32_top1']:.1f}%"
+                for n in ("eager", *CONFIGS)))
     if "cold_off" in ph.get("startup", {}):
         s = ph["startup"]
         lines.append(f"startup to first token: cold off {s['cold_off']['seconds']} s, on {s['cold_on']['seconds']} s "
@@ -658,6 +676,9 @@ def plot(paths, png):
         if "on_vs_off_rel_l2" in acc:
             ax_acc.plot(acc["on_vs_off_rel_l2"], marker=".", label=f"TP={world} arfusion vs torch.compile")
             ax_acc.plot(acc["off_vs_eager_rel_l2"], ls=":", label=f"TP={world} torch.compile vs eager")
+        for name, label in (("on", "arfusion"), ("off", "torch.compile")):
+            if f"{name}_vs_fp32_rel_l2" in acc:
+                ax_acc.plot(acc[f"{name}_vs_fp32_rel_l2"], ls="--", label=f"TP={world} {label} vs fp32")
     m = data[0]["meta"]
     ax_step.set(ylabel="ms per decode step (one CUDA graph)",
                 title=f"{m['model_type']} {m['layers']}L h{m['hidden']}, {m['device']}: decode step")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -128,6 +129,9 @@ def main() -> None:
     config = tiny_config(args.model_type, args.layers, args.hidden, world)
     path = save_random_model(config, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto").eval()
+    dist.barrier()  # every rank has loaded it: the random checkpoint is not needed any more
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
     if args.quant != "none":
         add_activation_quant(model, args.quant)
     say(f"{args.model_type}: {args.layers} layers, hidden {args.hidden}, {args.dtype}, quant {args.quant}, "

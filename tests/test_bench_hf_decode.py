@@ -66,6 +66,9 @@ def test_fused_answers_match_unfused(result):
     # As close to eager as Inductor's own unfused graph is.
     assert acc["summary"]["on_vs_eager_max_rel_l2"] < 2 * acc["summary"]["off_vs_eager_max_rel_l2"] + 1e-3
     assert acc["summary"]["on_vs_off_top1"] >= 0.75  # random weights: near ties may flip
+    # Against the same weights run in fp32, no further from the truth than the unfused graph.
+    assert len(acc["on_vs_fp32_rel_l2"]) == 8
+    assert acc["summary"]["on_vs_fp32_max_rel_l2"] < 2 * acc["summary"]["off_vs_fp32_max_rel_l2"] + 1e-3
 
 
 def test_generate_compiles_a_graph_the_pass_fuses(result):
