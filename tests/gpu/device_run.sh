@@ -79,6 +79,9 @@ for s in "$@"; do
     loop2) stage loop2 "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     loop2r) stage loop2r "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
       --tag loop_on_first --out "$OUT" ;;
+    startloop2)  # the phase order of the TP=4 run whose loop was slower with the pass, at TP=2
+      stage startloop2 "${LIMIT:-420}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases startup loop --tag startloop \
+      --budget-s 380 --out "$OUT" ;;
     loop4) stage loop4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     loop4r) stage loop4r "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
       --tag loop_on_first --out "$OUT" ;;
