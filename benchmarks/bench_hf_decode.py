@@ -376,7 +376,7 @@ class Bench:
 
         exact = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32, tp_plan="auto").eval()
         for name in ("fp32", "eager", *CONFIGS):
-            fn = {"fp32": exact, "eager": self.model}.get(name) or self.compiled_model(name)
+            fn = {"fp32": exact, "eager": self.model}[name] if name in ("fp32", "eager") else self.compiled_model(name)
             cache, _ = self.prefilled(1, model=fn if name == "fp32" else None)
             per_step = []
             with torch.no_grad():
@@ -710,7 +710,8 @@ def main(argv=None):
     p.add_argument("--replays", type=int, default=100, help="CUDA-graph replays per decode measurement")
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
     p.add_argument("--loop-order", nargs=2, default=list(CONFIGS), choices=CONFIGS,
-                   help="which config the loop phase runs first (the second inherits a warm process)")
+                   help="which config the loop phase runs first (at TP=4 the fused loop run after the unfused "
+                        "one in the same process was as slow as it: docs/benchmarks.md, 'Host-bound loops')")
     p.add_argument("--budget-s", type=float, default=0, help="skip phases that would start after this many seconds")
     p.add_argument("--strict", action="store_true", help="raise on a failing phase (tests)")
     p.add_argument("--ckpt-dir", default=None, help="where random checkpoints are written (default: temp dir)")
