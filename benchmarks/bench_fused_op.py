@@ -47,6 +47,13 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048, 4096, 819
 EPS = 1e-6
 
 
+def with_pass() -> dict:
+    """Inductor options of the "(b)" columns: the pass as a user enables it."""
+    import arfusion
+
+    return arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto"))
+
+
 def hf_rms_norm(h, weight):
     hf = h.float()
     return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
@@ -150,12 +157,10 @@ def run(args):
         f"calls/graph {args.calls or 'auto'}, replays {args.replays}", flush=True)
 
     norm_a = torch.compile(add_norm, dynamic=False)
-    model_b = torch.compile(make_model_fn(gname), dynamic=False, options=arfusion.inductor_options(
-        arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto")))
+    model_b = torch.compile(make_model_fn(gname), dynamic=False, options=with_pass())
     model_u = torch.compile(make_model_fn(gname), dynamic=False)
     model_ur = torch.compile(make_model_fn(gname, produce_input=True), dynamic=False)
-    model_br = torch.compile(make_model_fn(gname, produce_input=True), dynamic=False, options=arfusion.inductor_options(
-        arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto")))
+    model_br = torch.compile(make_model_fn(gname, produce_input=True), dynamic=False, options=with_pass())
 
     def timed(fn):
         # Ranks start a replay a few microseconds apart and the first call absorbs that skew:
@@ -283,8 +288,7 @@ def run_quant(args):
         site = Site(residual=True, norm="rms", quant=form, emit_norm=False)
         q_scale = scale if form == "fp8_static" else None
         norm_a = torch.compile(add_norm_quant(form), dynamic=False)
-        model_b = torch.compile(make_quant_model_fn(gname, form), dynamic=False, options=arfusion.inductor_options(
-            arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto")))
+        model_b = torch.compile(make_quant_model_fn(gname, form), dynamic=False, options=with_pass())
         for t in args.tokens:
             nbytes = t * hidden * 2
             calls = args.calls or (100 if nbytes <= 8 * 2**20 else 20)
