@@ -53,6 +53,7 @@ import torch._dynamo.utils
 
 import arfusion
 from arfusion.backends import get_backend
+from arfusion.hf import tp_kwargs
 
 # Real models' shapes (random weights): Llama-3-8B, Qwen3-8B, Gemma-7B.
 PRESETS = {
@@ -160,7 +161,7 @@ class Bench:
         self.config = model_config(self.args, self.world)
         t0 = time.perf_counter()
         path = self.checkpoint = random_checkpoint(self.config, self.device, self.args.ckpt_dir, self.args.init)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, tp_plan="auto").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **tp_kwargs("auto")).eval()
         c = self.config
         self.result["meta"] = {
             "model_type": c.model_type, "layers": c.num_hidden_layers, "hidden": c.hidden_size,
@@ -374,7 +375,7 @@ class Bench:
         # result, so "on" can be compared with "off" against the truth and not only each other.
         from transformers import AutoModelForCausalLM
 
-        exact = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32, tp_plan="auto").eval()
+        exact = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32, **tp_kwargs("auto")).eval()
         for name in ("fp32", "eager", *CONFIGS):
             fn = {"fp32": exact, "eager": self.model}[name] if name in ("fp32", "eager") else self.compiled_model(name)
             cache, _ = self.prefilled(1, model=fn if name == "fp32" else None)

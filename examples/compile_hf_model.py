@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 2 examples/compile_hf_model.py [--model-type qwen3]
 
 Builds a small model from a config (random weights, nothing downloaded), loads it with
-`tp_plan="auto"` (gloo on CPU, NCCL on CUDA), compiles it with the fusion pass and prints
-what was fused, which backend ran, the logits' difference to the uncompiled model and
-16 greedy tokens from both. The last line is a JSON summary (used by the tests).
+`tp_plan="auto"` (spelled as the installed transformers wants it: `arfusion.hf.tp_kwargs`;
+gloo on CPU, NCCL on CUDA), compiles it with the fusion pass and prints what was fused, which
+backend ran, the logits' difference to the uncompiled model and 16 greedy tokens from both.
+The last line is a JSON summary (used by the tests).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import arfusion
+from arfusion.hf import tp_kwargs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -128,7 +130,7 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     config = tiny_config(args.model_type, args.layers, args.hidden, world)
     path = save_random_model(config, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, tp_plan="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **tp_kwargs("auto")).eval()
     dist.barrier()  # every rank has loaded it: the random checkpoint is not needed any more
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
