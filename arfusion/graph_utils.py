@@ -8,6 +8,15 @@ import torch
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+# What torch's SequenceParallel turns a row-parallel all-reduce into.
+SEQUENCE_PARALLEL_COLLECTIVES = (torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                                 torch.ops._c10d_functional.all_gather_into_tensor.default)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+
+
+def has_fp8_casts(graph: torch.fx.Graph) -> bool:
+    convert = torch.ops.prims.convert_element_type.default
+    return any(n.target is convert and n.args[1] in FP8_DTYPES for n in graph.nodes)
 
 
 def _pure(node: torch.fx.Node) -> bool:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import reference, stats
 from .backends import resolve
-from .backends.base import Call, Site, num_tokens
+from .backends.base import Call, Site, num_tokens, outside_graph_pools
 
 log = logging.getLogger("arfusion")
 _logged: set[str] = set()
@@ -130,11 +130,25 @@ def site_of(residual, norm, quant, emit_norm) -> Site:
     return Site(residual=residual is not None, norm=norm, quant=quant, emit_norm=emit_norm)
 
 
+_unit_weights: dict[tuple, torch.Tensor] = {}
+
+
+def unit_weight(device: torch.device, dtype: torch.dtype, hidden: int) -> torch.Tensor:
+    """Ones, the weight of a norm that has none (kernels need one). Cached, made outside
+    CUDA-graph pools; during a capture that has none yet, a temporary one."""
+    key = (device, dtype, hidden)
+    if key not in _unit_weights:
+        if _capturing():
+            return torch.ones(hidden, dtype=dtype, device=device)
+        _unit_weights[key] = outside_graph_pools(device, lambda: torch.ones(hidden, dtype=dtype, device=device))
+    return _unit_weights[key]
+
+
 @torch.library.custom_op("arfusion::fused_allreduce_rmsnorm", mutates_args=())
 def fused_allreduce_rmsnorm(
     x: torch.Tensor,
     residual: torch.Tensor | None,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     eps: float,
     eps_tensor: torch.Tensor | None,
     group_name: str,
@@ -144,15 +158,22 @@ def fused_allreduce_rmsnorm(
     emit_norm: bool,
     backend: str,
     max_bytes: int,
+    site_key: str = "",
 ) -> list[torch.Tensor]:
     """all_reduce(x) [+ residual] -> RMSNorm [-> quant]; outputs in `Site.outputs()` order.
 
     eps_tensor, when given, replaces eps (graphs compiled with dynamic=True carry eps as a
-    0-d tensor). max_bytes < 0 means "use the backend's own size table".
+    0-d tensor). weight None: a norm without weight. max_bytes < 0 means "use the backend's own
+    size table". site_key names the site in its compiled graph: `stats()` counts the sites a
+    graph holds even when it came from the FX graph cache and the pass never ran.
     """
     site = site_of(residual, norm, quant, emit_norm)
+    if site_key:
+        stats.record_site(site_key, site.name)
     if eps_tensor is not None:
         eps = float(eps_tensor)
+    if weight is None:
+        weight = unit_weight(x.device, x.dtype, x.shape[-1])
     call = Call(site=site, tokens=num_tokens(x.shape), hidden=x.shape[-1], dtype=x.dtype,
                 weight_dtype=weight.dtype, world_size=group_size(group_name), device=x.device,
                 group_name=group_name)
@@ -190,7 +211,7 @@ def _layout_key(*tensors) -> tuple | None:
 
 @fused_allreduce_rmsnorm.register_fake
 def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
-          backend, max_bytes):
+          backend, max_bytes, site_key=""):
     # The reference math on fake tensors gives exactly the real outputs' metadata.
     site = site_of(residual, norm, quant, emit_norm)
     key = _layout_key(x, residual, weight, quant_scale)

@@ -52,14 +52,15 @@ def _saturate(values_fp32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return values_fp32.clamp(-fmax, fmax).to(dtype)
 
 
-def fp8_static(normed: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    dtype = fp8_dtype(normed.device)
+def fp8_static(normed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    dtype = dtype or fp8_dtype(normed.device)
     return {"quant": _saturate(normed.float() / scale, dtype)}
 
 
-def fp8_dynamic(normed: torch.Tensor, scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def fp8_dynamic(normed: torch.Tensor, scale: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Per token: scale [..., 1] = max(row amax, floor) / fmax."""
-    dtype = fp8_dtype(normed.device)
+    dtype = dtype or fp8_dtype(normed.device)
     fmax = torch.finfo(dtype).max
     x = normed.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
@@ -67,9 +68,10 @@ def fp8_dynamic(normed: torch.Tensor, scale: torch.Tensor | None = None) -> dict
     return {"quant": _saturate(x / row_scale, dtype), "scale": row_scale}
 
 
-def fp8_group(normed: torch.Tensor, scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def fp8_group(normed: torch.Tensor, scale: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Per group of 128 along hidden: scales [..., hidden / 128] in fp32."""
-    dtype = fp8_dtype(normed.device)
+    dtype = dtype or fp8_dtype(normed.device)
     fmax = torch.finfo(dtype).max
     x = normed.float()
     groups = x.reshape(*x.shape[:-1], x.shape[-1] // GROUP_SIZE, GROUP_SIZE)
@@ -125,12 +127,16 @@ def dequantize_nvfp4(quant: torch.Tensor, block_scale: torch.Tensor,
 QUANTIZERS = {"fp8_static": fp8_static, "fp8_dynamic": fp8_dynamic, "fp8_group": fp8_group, "nvfp4": nvfp4}
 
 
-def quantize(normed: torch.Tensor, form: str, scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def quantize(normed: torch.Tensor, form: str, scale: torch.Tensor | None,
+             fp8_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """{"quant": ..., "scale": ...} (no "scale" for fp8_static, whose scale is an input; for
-    nvfp4 `scale` is the global scale input and the output "scale" holds the block scales)."""
+    nvfp4 `scale` is the global scale input and the output "scale" holds the block scales).
+    fp8_dtype: the FP8 type of an FP8 form (default: the device's)."""
     if form not in QUANTIZERS:
         raise NotImplementedError(f"arfusion: quant form {form!r} has no reference implementation")
-    return QUANTIZERS[form](normed, scale)
+    if form == "nvfp4" or fp8_dtype is None:
+        return QUANTIZERS[form](normed, scale)
+    return QUANTIZERS[form](normed, scale, fp8_dtype)
 
 
 def dequantize(quant: torch.Tensor, scale: torch.Tensor, form: str,

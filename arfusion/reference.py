@@ -22,14 +22,17 @@ def rms_normalize(h: torch.Tensor, eps: float) -> torch.Tensor:
     return hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, norm: str) -> torch.Tensor:
+def rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float, norm: str) -> torch.Tensor:
+    """The norm forms of `backends.base.NORM_FORMS`; no weight multiplies by one."""
     normed = rms_normalize(h, eps)
     if norm == "gemma_rms":
         return (normed * (1.0 + weight.float())).to(h.dtype)
-    return weight * normed.to(h.dtype)
+    if norm == "rms_fp32_weight":
+        return (normed if weight is None else normed * weight.float()).to(h.dtype)
+    return normed.to(h.dtype) if weight is None else weight * normed.to(h.dtype)
 
 
-def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                  eps: float, site: Site, quant_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Everything after the all-reduce; outputs in `site.outputs()` order."""
     from . import quant  # local: quant imports this module
@@ -42,6 +45,6 @@ def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: t
     return [produced[name] for name in site.outputs()]
 
 
-def unfused(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+def unfused(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
             group_name: str, site: Site, quant_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
     return add_rms_norm(all_reduce_sum(x, group_name), residual, weight, eps, site, quant_scale)

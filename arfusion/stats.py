@@ -7,19 +7,28 @@ import threading
 from collections import Counter
 
 _lock = threading.Lock()
-_by_pattern: Counter[str] = Counter()
+_sites: dict[str, str] = {}  # site key -> pattern name, for every fused site of a compiled graph
+_why_not: Counter[str] = Counter()  # reason -> all_reduces left unfused for it
 _dispatch: Counter[str] = Counter()
 _left: Counter[str] = Counter()  # all_reduces the pass left unfused: "total", "on_callers_stream"
 _graphs = 0
 _pass_seconds = 0.0
 
 
-def record_graph(fused: Counter[str], unfused: int = 0, on_callers_stream: int = 0) -> None:
+def record_graph(unfused: int = 0, on_callers_stream: int = 0, why_not: Counter[str] | None = None) -> None:
     global _graphs
     with _lock:
         _graphs += 1
-        _by_pattern.update(fused)
         _left.update(total=unfused, on_callers_stream=on_callers_stream)
+        _why_not.update(why_not or {})
+
+
+def record_site(key: str, name: str) -> None:
+    """A fused site, by its key in its compiled graph: recorded by the pass when it rewrites,
+    and by the fused op when it runs (a graph loaded from the FX graph cache never met the pass)."""
+    if key not in _sites:
+        with _lock:
+            _sites[key] = name
 
 
 def record_pass_seconds(seconds: float) -> None:
@@ -34,22 +43,24 @@ def record_dispatch(key: str) -> None:
 
 
 def stats() -> dict:
-    """{"fused_sites", "by_pattern", "unfused_sites", "unfused_on_callers_stream", "dispatch",
-    "graphs", "pass_seconds"} for this process.
+    """{"fused_sites", "by_pattern", "unfused_sites", "unfused_on_callers_stream", "why_not",
+    "dispatch", "graphs", "pass_seconds"} for this process.
 
-    fused_sites/by_pattern count rewrites made by the pass; unfused_sites the all_reduces it
-    left, of which unfused_on_callers_stream now run as a blocking all-reduce on the caller's
-    stream (GPU). A warm FX-graph-cache hit reuses an already rewritten graph without running
-    the pass, so it adds nothing there.
+    fused_sites/by_pattern count the fused sites of the graphs compiled in this process, however
+    a graph was obtained: rewritten by the pass, or loaded from the FX graph cache (counted when
+    it first runs). unfused_sites counts the all_reduces the pass left, why_not their reasons,
+    and unfused_on_callers_stream those now run as a blocking all-reduce on the caller's stream
+    (GPU); these three come from the pass, so a cache hit adds nothing to them.
     dispatch counts fused-op calls per backend, or "fallback" when a call ran unfused.
     pass_seconds is the time spent inside the pass (what it adds to compiles).
     """
     with _lock:
         return {
-            "fused_sites": sum(_by_pattern.values()),
-            "by_pattern": dict(_by_pattern),
+            "fused_sites": len(_sites),
+            "by_pattern": dict(Counter(_sites.values())),
             "unfused_sites": _left["total"],
             "unfused_on_callers_stream": _left["on_callers_stream"],
+            "why_not": dict(_why_not),
             "dispatch": dict(_dispatch),
             "graphs": _graphs,
             "pass_seconds": _pass_seconds,
@@ -60,7 +71,8 @@ def reset_stats() -> None:
     global _graphs, _pass_seconds
     with _lock:
         _pass_seconds = 0.0
-        _by_pattern.clear()
+        _sites.clear()
+        _why_not.clear()
         _left.clear()
         _dispatch.clear()
         _graphs = 0

@@ -246,38 +246,18 @@ def test_one_info_line_per_graph(fake_pg, caplog):
     assert len(lines) == 1 and "0 all_reduce left unfused" in lines[0]
 
 
-def test_patterns_register_without_a_live_process_group():
-    """Registration traces under fake tensors: no collective runs, no group needs to exist."""
-    import torch.distributed as dist
-    from torch._inductor.pattern_matcher import PatternMatcherPass
+def test_identical_sites_are_classified_once(fake_pg, monkeypatch):
+    """A decoder's sites compute the same thing: each distinct region is evaluated once, not
+    once per site (65 probes per graph would cost seconds on a 32-layer model)."""
+    from arfusion.patterns import classify
 
-    from arfusion import patterns
-
-    assert not dist.is_initialized()
-    matcher = PatternMatcherPass(pass_name="probe")
-    specs = patterns.all_specs(arfusion.PassConfig().quant_forms)
-    patterns.register(matcher, specs[:12] + specs[-12:], "no-such-group", "torch", -1, lambda s, m: True)
-    assert sum(len(v) for v in matcher.patterns.values()) == 24
-
-
-def test_identical_sites_share_one_exact_retrace(fake_pg, monkeypatch):
-    """A decoder's sites have the same shapes: the matcher's exact re-trace runs once per shape
-    and graph, not once per site (65 re-traces cost seconds on a 32-layer model)."""
-    from arfusion.patterns import trace_memo
-
-    class CountingMemo(dict):
-        stored = 0  # re-traces at match time (registration traces stand-ins of another hidden size)
-
-        def __setitem__(self, key, value):
-            CountingMemo.stored += str(HIDDEN) in repr(key[2])
-            super().__setitem__(key, value)
-
-    monkeypatch.setattr(trace_memo, "_memo", CountingMemo())
+    classify.clear_memo()
+    calls = []
+    real = classify.Classifier.classify
+    monkeypatch.setattr(classify.Classifier, "classify", lambda self: calls.append(1) or real(self))
     layers = 6
-    model = TinyDecoder(HIDDEN, layers)
-    fused, left, stats = compile_and_inspect(model, torch.randn(8, HIDDEN, dtype=torch.bfloat16))
+    fused, left, stats = compile_and_inspect(TinyDecoder(HIDDEN, layers), torch.randn(8, HIDDEN, dtype=torch.bfloat16))
     assert len(fused) == 2 * layers + 1 and left == 0
-    # One search trace per (pattern, input layout): the embedding site and the residual sites.
-    assert CountingMemo.stored == 2
-    assert len(trace_memo._memo) == 0  # cleared after the graph: symbolic sizes are per graph
+    # The embedding site, the residual sites, and the last one (nothing reads its sum later).
+    assert len(calls) == 3
     assert stats["pass_seconds"] > 0

@@ -17,9 +17,11 @@ import torch
 
 T = TypeVar("T")
 
-# Norm forms: "rms" is y = w * norm(x).to(dtype) (Llama/Qwen/Mistral),
-# "gemma_rms" is y = (norm(x) * (1 + w.float())).to(dtype).
-NORM_FORMS = ("rms", "gemma_rms")
+# Norm forms, with norm(x) the fp32 normalisation: "rms" is y = w * norm(x).to(dtype) (HF Llama,
+# Qwen, Mistral: rounded before the weight multiply), "rms_fp32_weight" is
+# y = (norm(x) * w.float()).to(dtype) (OLMo2, torch.nn.RMSNorm: one rounding, as the fused
+# kernels compute), "gemma_rms" is y = (norm(x) * (1 + w.float())).to(dtype).
+NORM_FORMS = ("rms", "rms_fp32_weight", "gemma_rms")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,213 @@
+"""The region an all-reduce feeds: every row-local computation that starts from its result.
+
+Row-local means each output row (one token) depends only on the same row of the inputs:
+pointwise ops, reductions over the hidden dims, and shape ops that keep tokens apart. The
+region grows from the all-reduce's value through such ops, and a node joins only if each of
+its other inputs is independent of the all-reduce (weights, eps, the residual stream so far).
+That bound is what stops the walk at the next layer: its residual add also reads the next
+all-reduce, which depends on this one through a matmul.
+
+What the region computes is decided later, numerically (`classify`); here only structure.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from ..graph_utils import ALL_REDUCE, WAIT
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+# Reductions: op -> position of its dims argument. None or [] there means "all dims".
+REDUCTIONS = {
+    aten.mean.dim: 1, aten.sum.dim_IntList: 1, aten.amax.default: 1, aten.amin.default: 1,
+    aten.max.dim: 1, aten.min.dim: 1, aten.var_mean.correction: 1, aten.var.correction: 1,
+    aten.linalg_vector_norm.default: 2, aten.prod.dim_int: 1,
+}
+# Shape ops whose size argument (position 1) is re-derived for the probe's row count.
+SIZED_SHAPE_OPS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.expand.default}
+# Constants (no tensor input): the graph's `full_like(x, 7)` is a `full([T, H], 7)` by now.
+CONSTANT_PRODUCERS = {aten.full.default, aten.scalar_tensor.default}
+OTHER_SHAPE_OPS = {aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                   aten.slice.Tensor, aten.view.dtype, aten.alias.default, aten.clone.default}
+# Tensors made from another tensor's shape (full_like(x, 7)): row-local like a pointwise op.
+LIKE_OPS = {aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default}
+MAX_REGION = 600  # nodes; NVFP4's quantizer alone is ~90
+
+
+def is_pointwise(node: torch.fx.Node) -> bool:
+    target = node.target
+    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+            and torch.Tag.nondeterministic_seeded not in target.tags)
+
+
+def value(node) -> object:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def hint(size) -> int:
+    return optimization_hint(size) if isinstance(size, torch.SymInt) else int(size)
+
+
+def hinted_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    val = value(node)
+    return tuple(hint(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def token_prefix(shape: tuple[int, ...], tokens: int) -> int | None:
+    """Length of the shortest leading part of `shape` whose size is a multiple of `tokens`:
+    the dims that carry the tokens ([1, T, H] -> 2, [T, H/128, 128] -> 1, a flat [T*H] -> 1)."""
+    size = 1
+    for k, d in enumerate(shape, start=1):
+        size *= d
+        if size % tokens == 0 and size >= tokens:
+            return k
+    return None
+
+
+def probe_shape(shape: tuple[int, ...], tokens: int, rows: int) -> tuple[int, ...] | None:
+    """`shape` with its tokens replaced by `rows` (one leading dim rescaled), or None."""
+    # prod(shape[:k]) = tokens * m; the probe keeps the dims before k - 1 and needs
+    # prod = rows * m, so dim k - 1 becomes shape[k - 1] * rows / tokens.
+    k = token_prefix(shape, tokens)
+    if k is None or (shape[k - 1] * rows) % tokens:
+        return None
+    return (*shape[:k - 1], shape[k - 1] * rows // tokens, *shape[k:])
+
+
+def reduce_dims(node: torch.fx.Node) -> list[int] | None:
+    """The normalised dims a reduction node reduces, None for all."""
+    pos = REDUCTIONS[node.target]
+    dims = node.args[pos] if len(node.args) > pos else node.kwargs.get("dim")
+    rank = value(node.args[0]).dim()
+    if dims is None or dims == []:
+        return None
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return sorted(d % rank for d in dims)
+
+
+@dataclass
+class Region:
+    """The row-local region that reads one all-reduce's result."""
+
+    all_reduce: torch.fx.Node
+    start: torch.fx.Node  # wait_tensor(all_reduce): the reduced value
+    nodes: list[torch.fx.Node] = field(default_factory=list)  # in graph order, start excluded
+    members: set[torch.fx.Node] = field(default_factory=set)  # nodes + start
+    hints: list[str] = field(default_factory=list)  # row-mixing users met on the way (for reasons)
+
+    @property
+    def x(self) -> torch.fx.Node:
+        return self.all_reduce.args[0]
+
+    @property
+    def group_name(self) -> str:
+        return self.all_reduce.args[2]
+
+    @property
+    def hidden(self) -> int:
+        return hint(value(self.start).shape[-1])
+
+    @property
+    def tokens(self) -> int:
+        return math.prod(hinted_shape(self.start)[:-1])
+
+
+class Independence:
+    """Which nodes do not depend on `start`: a node earlier in graph order cannot; a later one
+    is searched backwards down to `start`'s position."""
+
+    def __init__(self, start: torch.fx.Node, order: dict[torch.fx.Node, int]):
+        self.start, self.order = start, order
+        self.memo: dict[torch.fx.Node, bool] = {}
+
+    def __call__(self, node: torch.fx.Node) -> bool:
+        limit = self.order[self.start]
+        todo, seen = [node], []
+        while todo:
+            n = todo.pop()
+            if n is self.start:
+                for s in seen:
+                    self.memo[s] = False
+                return False
+            if n in self.memo:
+                if not self.memo[n]:
+                    for s in seen:
+                        self.memo[s] = False
+                    return False
+                continue
+            if self.order.get(n, -1) < limit:
+                continue
+            seen.append(n)
+            todo.extend(n.all_input_nodes)
+        for s in seen:
+            self.memo[s] = True
+        return True
+
+
+def all_reduce_sum_start(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The wait_tensor of a functional sum all-reduce, if `node` is one whose only user waits."""
+    if node.target is not ALL_REDUCE or node.args[1] != "sum" or len(node.users) != 1:
+        return None
+    (wait,) = node.users
+    return wait if wait.target is WAIT else None
+
+
+def row_local(node: torch.fx.Node, region: Region) -> bool:
+    """Whether `node` keeps tokens apart (given that one of its inputs is in the region)."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is operator.getitem:
+        return node.args[0].target in REDUCTIONS
+    if target in REDUCTIONS:
+        dims = reduce_dims(node)
+        shape = hinted_shape(node.args[0])
+        prefix = token_prefix(shape, region.tokens) if shape else None
+        if dims is None or prefix is None or min(dims) < prefix:
+            region.hints.append(f"{node.name} ({target}) reduces over the tokens, not the hidden dim")
+            return False
+        return True
+    if target in SIZED_SHAPE_OPS or target in OTHER_SHAPE_OPS or target in LIKE_OPS:
+        return True
+    return is_pointwise(node)
+
+
+def grow(start: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Region:
+    """The region of the all-reduce whose wait is `start` (see the module docstring)."""
+    region = Region(all_reduce=start.args[0], start=start, members={start})
+    independent = Independence(start, order)
+    queue = [(order[u], u) for u in start.users]
+    heapq.heapify(queue)
+    queued = set(start.users)
+    while queue and len(region.nodes) < MAX_REGION:
+        _, node = heapq.heappop(queue)
+        if not row_local(node, region):
+            continue
+        if not all(i in region.members or independent(i) for i in node.all_input_nodes):
+            continue
+        region.nodes.append(node)
+        region.members.add(node)
+        for user in node.users:
+            if user not in queued:
+                queued.add(user)
+                heapq.heappush(queue, (order[user], user))
+    return region
+
+
+def ancestors_within(node: torch.fx.Node, members: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """`node` and the members it is computed from (through members only)."""
+    found, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in found or n not in members:
+            continue
+        found.add(n)
+        todo.extend(n.all_input_nodes)
+    return found

@@ -1,0 +1,126 @@
+"""Putting the fused op where a classified site was.
+
+The op reads the all-reduce's input (reshaped to the norm output's shape when the graph
+regrouped tokens in between), the residual, weight, eps and quant scale roots, and each of the
+site's outputs read from outside is rerouted to the op's matching output, reshaped back to the
+shape the graph had there. The site's own nodes are left for dead-code elimination.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..backends.base import Site as OpSite
+from .classify import Site
+from .region import value
+
+aten = torch.ops.aten
+FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
+
+
+class Builder:
+    """Adds nodes before `anchor`, each with the fake value Inductor's later passes read."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node):
+        self.graph, self.anchor = graph, anchor
+        self.fake_mode = detect_fake_mode([value(anchor)] if isinstance(value(anchor), torch.Tensor) else None)
+        self.added: list[torch.fx.Node] = []
+
+    def call(self, target, *args) -> torch.fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args)
+        fake_args = torch.fx.map_arg(args, lambda n: n.meta["val"])
+        if target is operator.getitem:
+            node.meta["val"] = fake_args[0][fake_args[1]]
+        else:
+            with self.fake_mode:
+                node.meta["val"] = target(*fake_args)
+        self.added.append(node)
+        return node
+
+    def reshape(self, node: torch.fx.Node, like: torch.fx.Node, sources: list[torch.fx.Node]) -> torch.fx.Node | None:
+        """`node` reshaped to `like`'s shape (None if a symbolic size cannot be named)."""
+        have, want = value(node).shape, value(like).shape
+        if len(have) == len(want) and all(statically_known_true(a == b) for a, b in zip(have, want)):
+            return node
+        sizes = self._sizes(want, sources)
+        return None if sizes is None else self.call(aten.reshape.default, node, sizes)
+
+    def _sizes(self, shape, sources: list[torch.fx.Node]) -> list[Any] | None:
+        """Size arguments for `shape`: ints, -1 for one unknown, sym_size of a source for others."""
+        sizes, free = [], True
+        for size in shape:
+            if not isinstance(size, torch.SymInt):
+                sizes.append(int(size))
+                continue
+            found = next(((src, j) for src in sources for j, s in enumerate(value(src).shape)
+                          if statically_known_true(s == size)), None)
+            if found is not None:
+                sizes.append(self.call(aten.sym_size.int, *found))
+            elif free:
+                sizes.append(-1)
+                free = False
+            else:
+                return None
+        return sizes
+
+
+def op_site(site: Site) -> OpSite:
+    return OpSite(residual=site.residual is not None, norm=site.norm, quant=site.quant, emit_norm=site.emit_norm)
+
+
+def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, site_key: str) -> bool:
+    """Replace `site` by the fused op; False (graph unchanged) if a shape cannot be expressed."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = min((n for n, _ in site.exits), key=order.__getitem__)
+    build = Builder(graph, anchor)
+    region = site.region
+    norm_out = site.norm_out
+    sources = [n for n in (region.x, site.residual, norm_out) if n is not None]
+    x = build.reshape(region.x, norm_out, sources)
+    residual = site.residual and build.reshape(site.residual, norm_out, sources)
+    if x is None or residual is None and site.residual is not None:
+        _undo(graph, build)
+        return False
+    scale = site.quant_scale
+    if scale is not None and site.scale_inverted:
+        scale = build.call(aten.reciprocal.default, scale)
+    literal_eps = site.eps_input is None
+    fused = build.call(FUSED_OP, x, residual, site.weight, site.eps, None if literal_eps else site.eps_input,
+                       region.group_name, site.norm, site.quant, scale, site.emit_norm, backend, max_bytes,
+                       site_key)
+    outputs = op_site(site).outputs()
+    produced = {name: build.call(operator.getitem, fused, i) for i, name in enumerate(outputs)}
+    if "scale" in produced:
+        produced["inv_scale"] = build.call(aten.reciprocal.default, produced["scale"])
+    replacements = []
+    for node, role in site.exits:
+        new = build.reshape(produced[role], node, [*sources, node])
+        if new is None or value(new).dtype != value(node).dtype:
+            _undo(graph, build)
+            return False
+        replacements.append((node, new))
+    for node, new in replacements:
+        node.replace_all_uses_with(new, delete_user_cb=lambda user: user not in site.nodes)
+    for node in reversed(build.added):
+        if not node.users and node is not fused:
+            graph.erase_node(node)
+    # The site is dead now; DCE would keep wait_tensor (FX counts it as a side effect).
+    for node in sorted(site.nodes | {region.all_reduce}, key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+    inputs = [n for n in (site.residual, site.weight, site.eps_input, site.quant_scale) if n is not None]
+    if any(order[n] > order[anchor] for n in inputs):
+        stable_topological_sort(graph)  # an input defined after the site's first output (Gemma's 1 + w)
+    return True
+
+
+def _undo(graph: torch.fx.Graph, build: Builder) -> None:
+    for node in reversed(build.added):
+        graph.erase_node(node)
