@@ -86,11 +86,12 @@ def test_sequence_parallel_is_left_unfused_and_logged():
 
 def test_example_script_via_torchrun():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           str(EXAMPLE), "--layers", "2", "--hidden", "128", "--backend", "torch"]
+           str(EXAMPLE), "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--backend", "torch"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["sites"] == 5 and result["fused_sites"] == 5, result
-    assert result["dispatch"] == {"torch": 5}, result
+    sites = 2 * LAYERS + 1
+    assert result["sites"] == sites and result["fused_sites"] == sites, result
+    assert result["dispatch"] == {"torch": sites}, result
     assert result["max_rel_diff"] < 2e-2, result  # bf16 noise
