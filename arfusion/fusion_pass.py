@@ -25,7 +25,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from . import backends, patterns, stats
 from .backends.base import Call, num_tokens
 from .config import PassConfig, env_disabled
-from .graph_utils import (ALL_REDUCE, SEQUENCE_PARALLEL_COLLECTIVES, dedupe_pure_nodes, has_fp8_casts,
+from .graph_utils import (ALL_REDUCE, REDUCE_SCATTER, dedupe_pure_nodes, has_fp8_casts,
                           move_all_reduce_to_current_stream)
 from .ops import current_stream_pays, group_size
 from .version import __version__
@@ -141,13 +141,11 @@ class ArFusionPass(CustomGraphPass):
 
 
 def _log_sequence_parallel(graph: torch.fx.Graph, why_not: Counter[str]) -> None:
-    found = sum(1 for n in graph.nodes if n.target in SEQUENCE_PARALLEL_COLLECTIVES)
+    found = sum(1 for n in graph.nodes if n.target is REDUCE_SCATTER)
     if found:
-        reason = ("reduce-scatter / all-gather of sequence parallelism: only all_reduce -> norm sites "
-                  "are fused, these run as compiled")
-        why_not[reason] += found
-        log.info("arfusion: %d reduce_scatter/all_gather collective(s) left unfused (sequence parallel "
-                 "graphs: only all_reduce sites are fused)", found)
+        why_not["a reduce-scatter (sequence parallelism): only all_reduce -> norm sites are fused"] += found
+        log.info("arfusion: %d reduce_scatter(s) left unfused: with sequence parallelism the all-reduce becomes "
+                 "reduce-scatter + all-gather, and only all_reduce -> norm sites are fused", found)
 
 
 # ---------------------------------------------------------------- installation

@@ -8,9 +8,9 @@ import torch
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
-# What torch's SequenceParallel turns a row-parallel all-reduce into.
-SEQUENCE_PARALLEL_COLLECTIVES = (torch.ops._c10d_functional.reduce_scatter_tensor.default,
-                                 torch.ops._c10d_functional.all_gather_into_tensor.default)
+# What torch's SequenceParallel turns a row-parallel all-reduce into: a reduce-scatter (then an
+# all-gather before the next matmul; plain TP all-gathers too, for lm_head, so that one says nothing).
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 

@@ -116,23 +116,28 @@ def test_chain_is_cacheable_only_if_every_pass_is():
     assert ChainedPass([lambda g: None, ours]).uuid() is None
 
 
-def test_warm_fx_graph_cache_hit_still_fuses_and_dispatches(fake_pg):
-    """A cached graph is served without running the pass; the op must not need it."""
+def test_warm_fx_graph_cache_hit_still_fuses_and_reports_the_same_sites(fake_pg):
+    """A cached graph is served without running the pass; the op must not need it, and stats()
+    must report the sites the graph carries, as after the cold compile."""
     from torch._inductor.utils import fresh_cache
 
-    from .models import RowParallelThenNorm
+    from .models import TinyDecoder
 
-    model = RowParallelThenNorm(64)
-    x, r = torch.randn(1, 4, 64, dtype=torch.bfloat16), torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    model = TinyDecoder(64, layers=2)
+    x = torch.randn(1, 4, 64, dtype=torch.bfloat16)
     options = arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch"))
     with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), torch.no_grad():
-        torch.compile(model, options=options)(x, r)
-        assert arfusion.stats()["fused_sites"] == 1
+        torch.compile(model, options=options)(x)
+        cold = arfusion.stats()
         torch._dynamo.reset()
         arfusion.reset_stats()
         counters = torch._dynamo.utils.counters
         counters.clear()
-        torch.compile(model, options=options)(x, r)
+        torch.compile(model, options=options)(x)
         assert counters["inductor"]["fxgraph_cache_hit"] == 1
-    # The pass did not run (served from cache), yet the fused op ran.
-    assert arfusion.stats()["fused_sites"] == 0 and arfusion.stats()["dispatch"] == {"torch": 1}
+        warm = arfusion.stats()
+    assert cold["fused_sites"] == 5 and cold["graphs"] == 1
+    # The pass did not run (served from cache), yet the sites are counted and the fused op ran.
+    assert warm["graphs"] == 0 and warm["pass_seconds"] == 0
+    assert (warm["fused_sites"], warm["by_pattern"]) == (cold["fused_sites"], cold["by_pattern"])
+    assert warm["dispatch"] == {"torch": 5}
