@@ -25,6 +25,7 @@ SPAN_LOG10 = {torch.float16: (-3.0, 3.0)}  # fp16's range is narrow
 DEFAULT_SPAN_LOG10 = (-8.0, 4.0)
 MATH_RTOL = 1e-9  # float64 identity (the spellings differ only in rounding)
 EPS_SNAP_RTOL = 1e-6  # a solved eps this close to a literal of the site is that literal
+EPS_ZERO_RTOL = 1e-12  # of the smallest probe row's mean square: below it eps is zero
 # |spelling - kernel| allowed per element, in units of the dtype's ulp at the exact value.
 # Two roundings (HF Llama: round, multiply, round) are at most ~1.5 ulp from one; fp32 models
 # also reorder a 4096-term mean.
@@ -69,7 +70,9 @@ def solve_eps(h: torch.Tensor, y: torch.Tensor, factor) -> float | None:
         return None
     row = torch.where(usable, ms, torch.full_like(ms, float("inf"))).argmin()
     eps = float((aa[row] / ay[row]) ** 2 - ms[row])
-    return max(eps, 0.0) if eps > -1e-12 * float(ms[row]) else None
+    if abs(eps) <= EPS_ZERO_RTOL * float(ms[row]):
+        return 0.0  # float64 noise around a norm without eps
+    return eps if eps > 0 else None
 
 
 def close_exact(actual: torch.Tensor, expected: torch.Tensor) -> bool:
