@@ -168,7 +168,44 @@ def _declined_sites_on_callers_stream(rank):
     assert arfusion.stats()["dispatch"] == {"fallback": 5}
 
 
+def _spellings_by_meaning(rank, dynamic):
+    """One model holding sites of many spellings (norms, the MoE view, quants), on real ranks."""
+    from torch import nn
+
+    from .test_match_by_meaning import NORMS, QUANTS, Site
+
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            norms = [Site(spelling, residual=res) for (spelling, _), res in
+                     zip(NORMS.values(), ["first", "last", "none", "moe"] * 4)]
+            quants = [Site(NORMS["hf_llama"][0], quant=quantize) for quantize, _ in QUANTS.values()]
+            self.sites = nn.ModuleList(norms + quants)
+
+        def forward(self, x, residual):
+            return [out for site in self.sites for out in site(x, residual)]
+
+    torch.manual_seed(0)  # same weights on every rank
+    model = Mix()
+    torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
+    inputs = (torch.randn(2, 5, 256, dtype=torch.bfloat16), torch.randn(2, 5, 256, dtype=torch.bfloat16))
+    actual, expected, stats = compiled_vs_eager(model, inputs, dynamic=dynamic)
+    assert stats["fused_sites"] == len(model.sites) and not stats["why_not"], stats
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if a.dtype == torch.float8_e4m3fn:
+            from .test_match_by_meaning import assert_fp8_close
+            assert_fp8_close(a, e)
+        else:
+            assert_close(a, e, torch.bfloat16, f"output {i}")
+
+
 # ------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_spellings_by_meaning_match_uncompiled(dynamic):
+    run_workers(_spellings_by_meaning, 2, dynamic)
+
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -120,35 +120,31 @@ class Region:
 
 
 class Independence:
-    """Which nodes do not depend on `start`: a node earlier in graph order cannot; a later one
-    is searched backwards down to `start`'s position."""
+    """Which nodes do not depend on `start`: a node earlier in graph order cannot; for a later
+    one, whether any of its inputs does (memoized, so each node is looked at once per site)."""
 
     def __init__(self, start: torch.fx.Node, order: dict[torch.fx.Node, int]):
         self.start, self.order = start, order
-        self.memo: dict[torch.fx.Node, bool] = {}
+        self.depends: dict[torch.fx.Node, bool] = {start: True}
 
     def __call__(self, node: torch.fx.Node) -> bool:
         limit = self.order[self.start]
-        todo, seen = [node], []
-        while todo:
-            n = todo.pop()
-            if n is self.start:
-                for s in seen:
-                    self.memo[s] = False
-                return False
-            if n in self.memo:
-                if not self.memo[n]:
-                    for s in seen:
-                        self.memo[s] = False
-                    return False
-                continue
-            if self.order.get(n, -1) < limit:
-                continue
-            seen.append(n)
-            todo.extend(n.all_input_nodes)
-        for s in seen:
-            self.memo[s] = True
-        return True
+        stack = [node]
+        while stack:
+            n = stack[-1]
+            if n in self.depends:
+                stack.pop()
+            elif self.order.get(n, -1) < limit:
+                self.depends[n] = False
+                stack.pop()
+            else:
+                pending = [i for i in n.all_input_nodes if i not in self.depends]
+                if pending:
+                    stack.extend(pending)
+                else:
+                    self.depends[n] = any(self.depends[i] for i in n.all_input_nodes)
+                    stack.pop()
+        return not self.depends[node]
 
 
 def all_reduce_sum_start(node: torch.fx.Node) -> torch.fx.Node | None:
