@@ -31,6 +31,12 @@ def run_example(model_type: str, *extra: str) -> dict:
     ("qwen2", 2 * LAYERS + 1),
     # Granite scales the all-reduced output before the residual add: no site may fuse.
     ("granite", 0),
+    # Spellings the first matcher missed: OLMo2 multiplies its weight in fp32 and adds the
+    # residual after the norm (post-norm: no site after the embedding's all-reduce); MoE blocks
+    # all-reduce [T, H] and view it back to [B, S, H] before the residual add.
+    ("olmo2", 2 * LAYERS),
+    ("mixtral", 2 * LAYERS + 1),
+    ("qwen3_moe", 2 * LAYERS + 1),
 ])
 def test_example_fuses_every_site_and_matches_eager(model_type, sites):
     result = run_example(model_type)

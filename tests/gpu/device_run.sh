@@ -26,6 +26,7 @@ for s in "$@"; do
     checks2) stage checks2 "${LIMIT:-120}" python -m pytest -q -s -x "$GPU_TESTS::test_fused_op_matches_reference_on_gpus[2]" ;;
     checks4) stage checks4 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_fused_op_matches_reference_on_gpus[4]" ;;
     hf2) stage hf2 "${LIMIT:-100}" python -m pytest -q -s -x "$GPU_TESTS::test_hf_example_runs_fused_on_two_gpus" ;;
+    meaning2) stage meaning2 "${LIMIT:-300}" python -m pytest -q -s "$GPU_TESTS::test_hf_example_fuses_every_site_by_meaning" ;;
     checks2+hf2)  # both correctness-only: run side by side on GPUs 0,1 and 2,3
       (CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29611 stage hf2 "${LIMIT:-120}" python -m pytest -q -s -x \
         "$GPU_TESTS::test_hf_example_runs_fused_on_two_gpus" >/tmp/hf2.log 2>&1) &
