@@ -18,7 +18,6 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..graph_utils import ALL_REDUCE, WAIT
 
@@ -52,7 +51,12 @@ def value(node) -> object:
 
 
 def hint(size) -> int:
-    return optimization_hint(size) if isinstance(size, torch.SymInt) else int(size)
+    """A size's example value (symbolic sizes carry the one they were traced with). SymNode.hint
+    exists on torch 2.11-2.13; `optimization_hint`, its newer spelling, does not on 2.11."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    node = size.node
+    return int(node.hint if node.hint is not None else node.shape_env.size_hint(node.expr))
 
 
 def hinted_shape(node: torch.fx.Node) -> tuple[int, ...] | None:

