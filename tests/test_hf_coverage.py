@@ -1,0 +1,227 @@
+"""benchmarks/hf_coverage.py: the HF architecture sweep on a few fast architectures, and its
+independent site counter (benchmarks/hf_site_counter.py) on hand-written chains.
+
+The sweep test runs 4 architectures on 2 gloo ranks (about 80 s on a 2-core CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import hf_coverage  # noqa: E402
+from hf_site_counter import SiteCounter, classify_norms, norm_kind  # noqa: E402
+
+LAYERS = 2
+SWEEP = ("llama", "olmo2", "qwen3_moe", "granite")
+# What the independent counter finds in the eager models (2 layers).
+EXPECTED_SITES = {
+    "llama": 2 * LAYERS + 1,      # embedding AR -> norm, then AR + residual -> norm per block
+    "qwen3_moe": 2 * LAYERS + 1,  # the MoE all-reduce reaches the add through a view
+    "olmo2": 2 * LAYERS,          # post-norms: AR -> norm (no residual in between)
+    "granite": 0,                 # residual_multiplier scales every all-reduce before the add
+}
+# ---------------------------------------------------------------------------------------------
+# EXPECTED FUSED COUNTS: None = only "the row exists" is checked. The new matcher is meant to
+# fuse olmo2 (weight multiplied in fp32, one cast) and qwen3_moe (view between AR and add):
+# fill in their numbers (expected: EXPECTED_SITES) once it lands.
+EXPECTED_FUSED: dict[str, int | None] = {
+    "llama": 2 * LAYERS + 1,
+    "granite": 0,
+    "olmo2": None,       # TODO(lead): 2 * LAYERS with the new matcher
+    "qwen3_moe": None,   # TODO(lead): 2 * LAYERS + 1 with the new matcher
+}
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("coverage")
+    md, js = out / "coverage.md", out / "coverage.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_coverage.py"), "--only", ",".join(SWEEP),
+           "--md", str(md), "--json", str(js), "--log", str(out / "ranks.log"), "--quiet", "--timeout", "150"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(js.read_text())
+    return {"md": md.read_text(), "rows": {r["model_type"]: r for r in data["rows"]}, "data": data,
+            "log": (out / "ranks.log").read_text()}
+
+
+def test_every_architecture_completed(sweep):
+    assert set(sweep["rows"]) == set(SWEEP)
+    failed = {m: r["error"] for m, r in sweep["rows"].items() if r.get("error")}
+    assert not failed, (failed, sweep["log"][-3000:])
+
+
+@pytest.mark.parametrize("model_type", SWEEP)
+def test_counter_sites(sweep, model_type):
+    row = sweep["rows"][model_type]
+    assert row["sites"] == EXPECTED_SITES[model_type], row["counter"]
+
+
+def test_counter_sees_the_lookalikes(sweep):
+    rows = sweep["rows"]
+    # Granite: every all-reduce is scaled before the add; reported as another shape, not a site.
+    assert set(rows["granite"]["counter"]["other_shapes"]) == {"ar*s", "ar*s+add"}
+    # OLMo2 (post-norm): the embedding's all-reduce reaches the final norm through the residual chain.
+    assert rows["olmo2"]["counter"]["other_shapes"] == {f"ar+add×{2 * LAYERS}": 1}
+    assert rows["llama"]["counter"]["site_labels"] == {"ar": 1, "ar+add": 2 * LAYERS}
+
+
+@pytest.mark.parametrize("model_type", SWEEP)
+def test_fused_counts(sweep, model_type):
+    row = sweep["rows"][model_type]
+    assert "fused" in row and "err_pass_vs_compile" in row and "err_compile_vs_eager" in row, row
+    expected = EXPECTED_FUSED[model_type]
+    if expected is not None:
+        assert row["fused"] == expected, row
+    assert row["fused"] <= row["sites"] or model_type not in ("llama", "granite"), row
+    if row["fused"] == 0:
+        assert row["err_pass_vs_compile"] == 0.0  # nothing rewritten: the same compiled graph
+    assert row["err_pass_vs_compile"] < 5e-2 and row["err_compile_vs_eager"] < 5e-2, row
+
+
+def test_table_rows_and_summary(sweep):
+    md = sweep["md"]
+    assert hf_coverage.ROW_HEADER in md
+    rows = [line for line in md.splitlines() if line.startswith("| `")]
+    assert [re.match(r"\| `([^`]+)` \|", line).group(1) for line in rows] == list(SWEEP)
+    for line in rows:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        assert len(cells) == 7, line
+        assert cells[1].isdigit() and cells[2].isdigit(), line
+        assert re.fullmatch(r"\d\.\de[+-]\d\d", cells[4]) and re.fullmatch(r"\d\.\de[+-]\d\d", cells[5]), line
+    assert re.search(r"\*\*4 architectures, \d+ sites \(counter\), \d+ fused, \d+ fully fused\*\*", md)
+    assert "## How the counter works" in md
+    assert hf_coverage.table_row(sweep["rows"]["llama"]) in md
+
+
+def test_a_hung_architecture_is_killed_and_recorded(tmp_path):
+    """One rank hangs: the driver kills the pair past --timeout, records the row, leaves no rank behind."""
+    md, js = tmp_path / "c.md", tmp_path / "c.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_coverage.py"), "--only", "llama", "--md", str(md),
+           "--json", str(js), "--log", str(tmp_path / "ranks.log"), "--quiet", "--timeout", "8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_COVERAGE_TEST_HANG": "llama"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(js.read_text())["rows"]
+    assert row["error"].startswith("timeout"), row
+    assert "| `llama` | - | - |" in md.read_text()
+    assert not _processes_with_env(b"HF_COVERAGE_TEST_HANG=llama")
+
+
+def _processes_with_env(entry: bytes) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+# ------------------------------------------------------------------------- the counter alone
+class RMSNorm(torch.nn.Module):  # Llama's spelling
+    def __init__(self, h, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(h))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        v = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(v + self.variance_epsilon)).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    def forward(self, x, gate=None):
+        y = super().forward(x)
+        return y if gate is None else y * torch.nn.functional.silu(gate)
+
+
+class Toy(torch.nn.Module):
+    """Each norm sees one provenance: ar, ar+add, ar+ar+add, ar*s+add, ar+replicated+add, ar*g+add,
+    a dtype cast, ar+ar, a gated norm, a LayerNorm."""
+
+    def __init__(self, h=16):
+        super().__init__()
+        self.n = torch.nn.ModuleList(RMSNorm(h) for _ in range(9))
+        self.gated = GatedRMSNorm(h)
+        self.ln = torch.nn.LayerNorm(h)
+
+    @staticmethod
+    def ar(t):
+        t = t.clone()
+        dist.all_reduce(t)
+        return t
+
+    def forward(self, x):
+        r = x.clone()
+        a = self.n[0](self.ar(x))                                   # ar
+        b = self.n[1](r + self.ar(x.reshape(-1, x.shape[-1])).view(x.shape))  # ar [view] + residual
+        c = self.n[2]((self.ar(x) + self.ar(x)) + r)                # routed + shared experts
+        d = self.n[3](r + self.ar(x) * 0.5)                         # Granite
+        e = self.n[4]((self.ar(x) + x * 2) + r)                     # replicated shared expert
+        f = self.gated(self.ar(x) + r, x)                           # gated norm: look-alike
+        g = self.ln(self.ar(x) + r)                                 # LayerNorm: look-alike
+        h = self.n[6](r + self.ar(x) * torch.sigmoid(x[..., :1]))   # per-token gate (Qwen3-Next's shared expert)
+        i = self.n[7](self.ar(x).float().to(x.dtype) + r)           # a dtype round trip on the way
+        j = self.n[8](self.ar(x) + self.ar(x))                      # MoE block's own post-norm, no residual
+        return a + b + c + d + e + f + g + h + i + j + self.n[5](x)  # n[5]: no all-reduce
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_counter_labels_each_shape(world_of_one):
+    model = Toy()
+    kinds = classify_norms(model, 16)
+    assert kinds["gated"] == "rmsnorm" and kinds["ln"] == "layernorm"
+    counter = SiteCounter()
+    counter.hook_norms(model, kinds)
+    with torch.no_grad(), counter:
+        model(torch.randn(2, 3, 16, dtype=torch.bfloat16))
+    counter.remove_hooks()
+    labels = {c["module"]: (c["kind"], c["label"]) for c in counter.norm_calls}
+    assert labels == {
+        "n.0": ("rmsnorm", "ar"), "n.1": ("rmsnorm", "ar+add"), "n.2": ("rmsnorm", "ar+ar+add"),
+        "n.3": ("rmsnorm", "ar*s+add"), "n.4": ("rmsnorm", "ar+replicated+add"),
+        "gated": ("rmsnorm gated", "ar+add"), "ln": ("layernorm", "ar+add"), "n.5": ("rmsnorm", None),
+        "n.6": ("rmsnorm", "ar*g+add"), "n.7": ("rmsnorm", "ar+add (dtype cast)"), "n.8": ("rmsnorm", "ar+ar")}
+    s = counter.summary()
+    assert s["sites"] == 3 and s["site_labels"] == {"ar": 1, "ar+add": 1, "ar+ar": 1}
+    assert s["all_reduces"] == 12 and s["all_reduces_not_reaching_a_norm"] == {}
+    assert s["other_shapes"] == {"ar+ar+add": 1, "ar*s+add": 1, "ar+replicated+add": 1, "ar*g+add": 1,
+                                 "ar+add (dtype cast)": 1}
+    assert s["gated_norm_lookalikes"] == {"ar+add": 1} and s["layernorm_lookalikes"] == {"ar+add": 1}
+
+
+def test_norm_kind_by_what_it_computes():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    assert norm_kind(LlamaRMSNorm(32), 32) == "rmsnorm"
+    assert norm_kind(GemmaRMSNorm(32), 32) == "rmsnorm(1+w)"
+    assert norm_kind(torch.nn.RMSNorm(32), 32) == "rmsnorm"
+    assert norm_kind(torch.nn.RMSNorm(32, elementwise_affine=False), 32) == "rmsnorm(no weight)"
+    assert norm_kind(torch.nn.LayerNorm(32), 32) == "layernorm"
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    assert norm_kind(NemotronLayerNorm1P(32), 32) == "layernorm(1+w)"
+    assert norm_kind(torch.nn.GroupNorm(4, 32), 32) == "other"
