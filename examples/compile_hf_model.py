@@ -31,11 +31,14 @@ def tiny_config(model_type: str, layers: int, hidden: int, tp: int):
     from transformers import AutoConfig
 
     heads = max(4, 2 * tp)
+    # Granite's multipliers default to 1.0, which makes its residual scale an identity (and a
+    # site); its checkpoints scale by 0.22 and 12, which is what makes it a look-alike.
+    extra = {"residual_multiplier": 0.22, "embedding_multiplier": 12.0} if model_type.startswith("granite") else {}
     # head_dim explicitly: several configs (Qwen3, Gemma, Helium, ...) default it independently of hidden.
     return AutoConfig.for_model(
         model_type, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=tp, head_dim=hidden // heads, vocab_size=512,
-        max_position_embeddings=256, tie_word_embeddings=False)
+        max_position_embeddings=256, tie_word_embeddings=False, **extra)
 
 
 def save_random_model(config, dtype) -> str:

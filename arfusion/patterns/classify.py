@@ -34,6 +34,7 @@ from .region import (CONSTANT_PRODUCERS, LIKE_OPS, OTHER_SHAPE_OPS, REDUCTIONS, 
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _MEMO_SIZE = 256
+SCALED_REASON = "the all-reduced value is scaled before the residual add / norm (e.g. Granite's multiplier)"
 
 
 @dataclass(frozen=True)
@@ -370,6 +371,8 @@ class Classifier:
         h_rounded = reduced if res is None else res + reduced
         kernel = forms.exact_rms(h_rounded.double(), factor, eps)
         if not forms.within_ulps(y_real, kernel, self.dtype, forms.NORM_ULPS[self.dtype]):
+            if self._scaled_start():
+                return SCALED_REASON
             return ("computes RMSNorm, but rounds differently from the fused kernels by more than "
                     f"{forms.NORM_ULPS[self.dtype]} ulp (e.g. normalised in {self.dtype}, not fp32)")
         w_real = self._given(probe, weight, False)
@@ -390,10 +393,13 @@ class Classifier:
         targets = {self.enc.nodes[i].target for i in site}
         if targets & {aten.var_mean.correction, aten.var.correction, aten.sub.Tensor}:
             return "the norm subtracts the mean (LayerNorm), it is not an RMSNorm"
-        start = self.enc.nodes[0]
-        if any(u in self.members and u.target in (aten.mul.Tensor, aten.div.Tensor) for u in start.users):
-            return "the all-reduced value is scaled before the residual add / norm (e.g. Granite's multiplier)"
+        if self._scaled_start():
+            return SCALED_REASON
         return "its computation does not match all_reduce [+ residual] -> RMSNorm numerically"
+
+    def _scaled_start(self) -> bool:
+        start = self.enc.nodes[0]
+        return any(u in self.members and u.target in (aten.mul.Tensor, aten.div.Tensor) for u in start.users)
 
     def _norm_exits(self, site, out, residual, probe, env):
         """Every site node read from outside gets a role, or the reason why one cannot."""
