@@ -461,7 +461,8 @@ arfusion, so it checks the matcher rather than repeating it.
 - A mark follows view/reshape-only ops (view, reshape, squeeze, clone, contiguous) and adds:
   the mark of a sum counts its terms (all-reduced terms, other full-size terms, broadcast terms,
   all-reduced terms multiplied by a scalar `ar*s` or by a broadcast tensor such as a per-token
-  gate `ar*g`). A dtype conversion keeps the mark but flags it `(dtype cast)`.
+  gate `ar*g`; × 1.0, a multiplier left at its default, is no scale). A dtype conversion keeps
+  the mark but flags it `(dtype cast)`.
 - Forward pre-hooks on norm modules read the mark of the norm's input. A norm ends a chain:
   the tensor it read counts as a plain residual afterwards.
 - Which modules are RMSNorm is decided by running each norm class once on a random input

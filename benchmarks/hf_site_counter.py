@@ -156,6 +156,9 @@ class SiteCounter(TorchDispatchMode):
             m, other = (self._get(a), b) if self._get(a) is not None else (self._get(b), a)
             pure = m.full == 0 and m.bias == 0 and isinstance(out, torch.Tensor)
             res = args[0] if func in (_ops.aten.mul_.Tensor, _ops.aten.div_.Tensor) else out
+            if _is_scalar(other) and float(other) == 1.0 and isinstance(out, torch.Tensor):
+                self.marks[res] = m  # x * 1.0 (a multiplier left at its default): no scale at all
+                return out
             if pure and _is_scalar(other):
                 self.marks[res] = Mark(scaled=m.ars + m.scaled, gated=m.gated, cast=m.cast, ids=m.ids)
                 return out

@@ -74,6 +74,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                        "indexer_compress_ratio": 4},
     # num_hidden_layers = num_layers_per_stack * H_cycles * (L_cycles + 1) = 2
     "hrm_text": {"H_cycles": 1, "L_cycles": 1, "L_bp_cycles": [1], "num_layers_per_stack": 1},
+    # Released Granite 3/4 checkpoints' multipliers: the defaults (1.0) make the scale between
+    # all-reduce and residual add an identity, which Inductor drops.
+    **{m: {"residual_multiplier": 0.22, "embedding_multiplier": 12.0}
+       for m in ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared")},
+    # MiniMax-Text-01: the residual is scaled (alpha), the all-reduced branch is not (beta = 1).
+    "minimax": {"full_attn_alpha_factor": 3.5566, "linear_attn_alpha_factor": 3.5566, "mlp_alpha_factor": 3.5566},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
 }
 

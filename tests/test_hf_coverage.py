@@ -30,7 +30,7 @@ EXPECTED_SITES = {
     "llama": 2 * LAYERS + 1,      # embedding AR -> norm, then AR + residual -> norm per block
     "qwen3_moe": 2 * LAYERS + 1,  # the MoE all-reduce reaches the add through a view
     "olmo2": 2 * LAYERS,          # post-norms: AR -> norm (no residual in between)
-    "granite": 0,                 # residual_multiplier scales every all-reduce before the add
+    "granite": 0,                 # residual_multiplier (0.22, as released) scales every all-reduce before the add
 }
 # ---------------------------------------------------------------------------------------------
 # EXPECTED FUSED COUNTS: None = only "the row exists" is checked. The new matcher is meant to
@@ -157,7 +157,7 @@ class Toy(torch.nn.Module):
 
     def __init__(self, h=16):
         super().__init__()
-        self.n = torch.nn.ModuleList(RMSNorm(h) for _ in range(9))
+        self.n = torch.nn.ModuleList(RMSNorm(h) for _ in range(10))
         self.gated = GatedRMSNorm(h)
         self.ln = torch.nn.LayerNorm(h)
 
@@ -179,7 +179,8 @@ class Toy(torch.nn.Module):
         h = self.n[6](r + self.ar(x) * torch.sigmoid(x[..., :1]))   # per-token gate (Qwen3-Next's shared expert)
         i = self.n[7](self.ar(x).float().to(x.dtype) + r)           # a dtype round trip on the way
         j = self.n[8](self.ar(x) + self.ar(x))                      # MoE block's own post-norm, no residual
-        return a + b + c + d + e + f + g + h + i + j + self.n[5](x)  # n[5]: no all-reduce
+        k = self.n[9](r + self.ar(x) * 1.0)                         # a multiplier left at 1.0: no scale
+        return a + b + c + d + e + f + g + h + i + j + k + self.n[5](x)  # n[5]: no all-reduce
 
 
 @pytest.fixture
@@ -203,10 +204,11 @@ def test_counter_labels_each_shape(world_of_one):
         "n.0": ("rmsnorm", "ar"), "n.1": ("rmsnorm", "ar+add"), "n.2": ("rmsnorm", "ar+ar+add"),
         "n.3": ("rmsnorm", "ar*s+add"), "n.4": ("rmsnorm", "ar+replicated+add"),
         "gated": ("rmsnorm gated", "ar+add"), "ln": ("layernorm", "ar+add"), "n.5": ("rmsnorm", None),
-        "n.6": ("rmsnorm", "ar*g+add"), "n.7": ("rmsnorm", "ar+add (dtype cast)"), "n.8": ("rmsnorm", "ar+ar")}
+        "n.6": ("rmsnorm", "ar*g+add"), "n.7": ("rmsnorm", "ar+add (dtype cast)"), "n.8": ("rmsnorm", "ar+ar"),
+        "n.9": ("rmsnorm", "ar+add")}
     s = counter.summary()
-    assert s["sites"] == 3 and s["site_labels"] == {"ar": 1, "ar+add": 1, "ar+ar": 1}
-    assert s["all_reduces"] == 12 and s["all_reduces_not_reaching_a_norm"] == {}
+    assert s["sites"] == 4 and s["site_labels"] == {"ar": 1, "ar+add": 2, "ar+ar": 1}
+    assert s["all_reduces"] == 13 and s["all_reduces_not_reaching_a_norm"] == {}
     assert s["other_shapes"] == {"ar+ar+add": 1, "ar*s+add": 1, "ar+replicated+add": 1, "ar*g+add": 1,
                                  "ar+add (dtype cast)": 1}
     assert s["gated_norm_lookalikes"] == {"ar+add": 1} and s["layernorm_lookalikes"] == {"ar+add": 1}
