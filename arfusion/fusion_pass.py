@@ -79,6 +79,10 @@ class ArFusionPass(CustomGraphPass):
             # torchao re-quantizes the norm output once per consuming linear (q, k, v, ...);
             # one quant chain is what a site can absorb.
             dedupe_pure_nodes(graph)
+        merged = patterns.merge_collectives(graph)
+        if any(merged.values()):
+            log.info("arfusion: %s", ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in merged.items() if v))
+            all_reduces = [n for n in graph.nodes if n.target is ALL_REDUCE]
         graph_key = uuid.uuid4().hex[:12]  # names this graph's sites in stats, cached or not
         fused: Counter[str] = Counter()
         moved = 0
@@ -95,7 +99,7 @@ class ArFusionPass(CustomGraphPass):
         stable_topological_sort(graph)
         graph.eliminate_dead_code()
         left = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
-        stats.record_graph(unfused=left + moved, on_callers_stream=moved, why_not=why_not)
+        stats.record_graph(unfused=left + moved, on_callers_stream=moved, why_not=why_not, collectives=merged)
         log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s", sum(fused.values()),
                  dict(fused) or "", left + moved, f"; {moved} of them run on the caller's stream" if moved else "")
 

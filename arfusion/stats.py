@@ -11,16 +11,19 @@ _sites: dict[str, str] = {}  # site key -> pattern name, for every fused site of
 _why_not: Counter[str] = Counter()  # reason -> all_reduces left unfused for it
 _dispatch: Counter[str] = Counter()
 _left: Counter[str] = Counter()  # all_reduces the pass left unfused: "total", "on_callers_stream"
+_collectives: Counter[str] = Counter()  # all-reduce rewrites before fusion (patterns.collectives)
 _graphs = 0
 _pass_seconds = 0.0
 
 
-def record_graph(unfused: int = 0, on_callers_stream: int = 0, why_not: Counter[str] | None = None) -> None:
+def record_graph(unfused: int = 0, on_callers_stream: int = 0, why_not: Counter[str] | None = None,
+                 collectives: dict[str, int] | None = None) -> None:
     global _graphs
     with _lock:
         _graphs += 1
         _left.update(total=unfused, on_callers_stream=on_callers_stream)
         _why_not.update(why_not or {})
+        _collectives.update(collectives or {})
 
 
 def record_site(key: str, name: str) -> None:
@@ -50,7 +53,9 @@ def stats() -> dict:
     a graph was obtained: rewritten by the pass, or loaded from the FX graph cache (counted when
     it first runs). unfused_sites counts the all_reduces the pass left, why_not their reasons,
     and unfused_on_callers_stream those now run as a blocking all-reduce on the caller's stream
-    (GPU); these three come from the pass, so a cache hit adds nothing to them.
+    (GPU); these three come from the pass, so a cache hit adds nothing to them. Likewise
+    summed_all_reduces_merged (AR(a) + AR(b) rewritten as AR(a + b): one collective fewer each)
+    and sums_moved_before_all_reduce (sum(AR(x)) rewritten as AR(sum(x))).
     dispatch counts fused-op calls per backend, or "fallback" when a call ran unfused.
     pass_seconds is the time spent inside the pass (what it adds to compiles).
     """
@@ -61,6 +66,8 @@ def stats() -> dict:
             "unfused_sites": _left["total"],
             "unfused_on_callers_stream": _left["on_callers_stream"],
             "why_not": dict(_why_not),
+            "summed_all_reduces_merged": _collectives["summed_all_reduces_merged"],
+            "sums_moved_before_all_reduce": _collectives["sums_moved_before_all_reduce"],
             "dispatch": dict(_dispatch),
             "graphs": _graphs,
             "pass_seconds": _pass_seconds,
@@ -73,6 +80,7 @@ def reset_stats() -> None:
         _pass_seconds = 0.0
         _sites.clear()
         _why_not.clear()
+        _collectives.clear()
         _left.clear()
         _dispatch.clear()
         _graphs = 0

@@ -3,11 +3,14 @@
 `region.grow` takes the row-local region an all-reduce's result feeds; `classify.find_site`
 decides, by evaluating that region on probes against the reference forms of `forms`, whether
 it is all_reduce -> [residual add] -> RMSNorm -> [quant] and with which inputs; `rewrite`
-replaces it by the fused op. docs/patterns.md explains the design and the acceptance rule.
+replaces it by the fused op. Before that, `collectives.merge` turns sums of all-reduces into
+all-reduces of sums (MoE blocks). docs/patterns.md explains the design and the acceptance rule.
 """
 
 from .classify import Site, clear_memo, find_site
+from .collectives import merge as merge_collectives
 from .region import all_reduce_sum_start, grow
 from .rewrite import op_site, rewrite
 
-__all__ = ["Site", "find_site", "clear_memo", "all_reduce_sum_start", "grow", "op_site", "rewrite"]
+__all__ = ["Site", "find_site", "clear_memo", "all_reduce_sum_start", "grow", "op_site", "rewrite",
+           "merge_collectives"]

@@ -32,15 +32,15 @@ class Builder:
         self.fake_mode = detect_fake_mode([value(anchor)] if isinstance(value(anchor), torch.Tensor) else None)
         self.added: list[torch.fx.Node] = []
 
-    def call(self, target, *args) -> torch.fx.Node:
+    def call(self, target, *args, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args)
+            node = self.graph.call_function(target, args, kwargs)
         fake_args = torch.fx.map_arg(args, lambda n: n.meta["val"])
         if target is operator.getitem:
             node.meta["val"] = fake_args[0][fake_args[1]]
         else:
             with self.fake_mode:
-                node.meta["val"] = target(*fake_args)
+                node.meta["val"] = target(*fake_args, **kwargs)
         self.added.append(node)
         return node
 

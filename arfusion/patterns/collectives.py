@@ -1,0 +1,120 @@
+"""Fewer all-reduces before sites are found: sums commute with the all-reduce.
+
+MoE blocks all-reduce more than they need to:
+- routed and shared experts are all-reduced separately and then added (DeepSeek-V2/V3, GLM-4-MoE,
+  dots1, ...): AR(a) + AR(b) = AR(a + b), one collective per layer fewer, and the sum is taken
+  in the input dtype before the reduction;
+- expert rows are all-reduced before being summed over the experts (Llama-4):
+  sum(AR(x), dim) = AR(sum(x, dim)), an all-reduce E times smaller.
+Both are linear identities; only where the rounding happens moves. The rewritten all-reduce is
+then an ordinary site for `classify`, judged by the usual rule.
+Only regroupings of the same elements (reshape/view) may sit between an all-reduce and the sum,
+and each all-reduce's result must be read by that sum alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..graph_utils import ALL_REDUCE, WAIT
+from .region import value
+from .rewrite import Builder
+
+aten = torch.ops.aten
+CONVERT = torch.ops.prims.convert_element_type.default
+REGROUPINGS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+
+
+def _reduced_source(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node]] | None:
+    """(all-reduce node, its input, the chain from the sum down to the wait) if `node` is a
+    regrouping of `wait(all_reduce(x, "sum", g))` read only along this chain."""
+    chain = []
+    while node.target in REGROUPINGS:
+        chain.append(node)
+        if len(node.users) != 1:
+            return None
+        node = node.args[0]
+    if node.target is not WAIT or len(node.users) != 1:
+        return None
+    chain.append(node)
+    all_reduce = node.args[0]
+    if all_reduce.target is not ALL_REDUCE or all_reduce.args[1] != "sum" or len(all_reduce.users) != 1:
+        return None
+    return all_reduce, all_reduce.args[0], chain
+
+
+def _replace_with_all_reduce(graph: torch.fx.Graph, old: torch.fx.Node, build: Builder, summed: torch.fx.Node,
+                             group_name: str, dead: list[torch.fx.Node]) -> None:
+    reduced = build.call(ALL_REDUCE, summed, "sum", group_name)
+    waited = build.call(WAIT, reduced)
+    old.replace_all_uses_with(waited)
+    for node in [old, *dead]:
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> bool:
+    """add(AR(a), AR(b)) on one group -> AR(a + b)."""
+    if add.target is not aten.add.Tensor or add.kwargs or len(add.args) != 2 \
+            or not all(isinstance(a, torch.fx.Node) for a in add.args):
+        return False
+    found = [_reduced_source(a) for a in add.args]
+    if None in found or found[0][0] is found[1][0]:
+        return False
+    (ar_a, a, chain_a), (ar_b, b, chain_b) = found
+    out = value(add)
+    if ar_a.args[2] != ar_b.args[2] or any(value(x).dtype != out.dtype or value(x).numel() != out.numel()
+                                          for x in (a, b)):
+        return False
+    build = Builder(graph, add)
+    a2, b2 = build.reshape(a, add, [a, b, add]), build.reshape(b, add, [a, b, add])
+    if a2 is None or b2 is None:
+        for node in reversed(build.added):
+            graph.erase_node(node)
+        return False
+    summed = build.call(aten.add.Tensor, a2, b2)
+    _replace_with_all_reduce(graph, add, build, summed, ar_a.args[2], [*chain_a, ar_a, *chain_b, ar_b])
+    return True
+
+
+def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
+    """sum(AR(x), dims) -> AR(sum(x, dims))."""
+    if total.target is not aten.sum.dim_IntList or not isinstance(total.args[0], torch.fx.Node):
+        return False
+    found = _reduced_source(total.args[0])
+    if found is None:
+        return False
+    all_reduce, x, chain = found
+    build = Builder(graph, total)
+    regrouped = build.reshape(x, total.args[0], [x])
+    if regrouped is None:
+        for node in reversed(build.added):
+            graph.erase_node(node)
+        return False
+    summed = build.call(aten.sum.dim_IntList, regrouped, *total.args[1:], **total.kwargs)
+    # sum(..., dtype=float32) cast straight back: the all-reduce keeps its own dtype.
+    (user,) = total.users if len(total.users) == 1 else (None,)
+    if user is not None and user.target is CONVERT and user.args[1] == value(x).dtype:
+        summed = build.call(CONVERT, summed, user.args[1])
+        _replace_with_all_reduce(graph, user, build, summed, all_reduce.args[2], [total, *chain, all_reduce])
+    else:
+        _replace_with_all_reduce(graph, total, build, summed, all_reduce.args[2], [*chain, all_reduce])
+    return True
+
+
+def merge(graph: torch.fx.Graph) -> dict[str, int]:
+    """Apply both rewrites until none applies; how many of each."""
+    done = {"summed_all_reduces_merged": 0, "sums_moved_before_all_reduce": 0}
+    changed = True
+    while changed:
+        changed = False
+        for node in list(graph.nodes):
+            if node._erased:  # by an earlier rewrite of this sweep
+                continue
+            if _merge_sum_of_two(graph, node):
+                done["summed_all_reduces_merged"] += 1
+                changed = True
+            elif _sum_before_all_reduce(graph, node):
+                done["sums_moved_before_all_reduce"] += 1
+                changed = True
+    return done

@@ -1,0 +1,128 @@
+"""MoE blocks: sums of all-reduces become all-reduces of sums, then ordinary sites.
+
+- DeepSeek-V2/V3, GLM-4-MoE, dots1 ...: AR(routed [T, H]).view(B, S, H) + AR(shared) + residual
+  -> norm: one all-reduce fewer per layer, and the site fuses;
+- Llama-4: AR(expert rows [E*T, H]).view(E, T, H).sum(0) -> AR(rows.view(E, T, H).sum(0)).
+Graphs compile against the fake process group; numerics run on two gloo ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import arfusion
+
+from .test_match_by_meaning import NORMS, assert_matches_eager, run
+from .test_numerics_gloo import assert_close, compiled_vs_eager, run_workers
+
+H = 256
+E = 4
+
+
+class RoutedPlusShared(nn.Module):
+    """DeepSeek-style end of an MoE layer (`terms` all-reduced outputs summed, then the residual)."""
+
+    def __init__(self, terms=2, dtype=torch.bfloat16, groups=None, shared_read_elsewhere=False):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(H, H, bias=False, dtype=dtype) for _ in range(terms))
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(H, dtype=dtype))
+        self.groups = groups or [None] * terms
+        self.shared_read_elsewhere = shared_read_elsewhere
+
+    def forward(self, x, residual):
+        total, outs = None, []
+        for i, (expert, group) in enumerate(zip(self.experts, self.groups)):
+            y = expert(x.reshape(-1, H) if i == 0 else x)  # routed experts work on [T, H]
+            dist.all_reduce(y, group=group)
+            y = y.view(x.shape)
+            outs.append(y)
+            total = y if total is None else total + y
+        h = residual + total
+        normed = NORMS["hf_llama"][0](h, self.weight, 1e-6)
+        return (normed, h, outs[1] * 2) if self.shared_read_elsewhere else (normed, h)
+
+
+class ExpertRowsSummed(nn.Module):
+    """Llama-4-style: the [E * T, H] expert rows are all-reduced, then summed over the experts."""
+
+    def __init__(self, dtype=torch.bfloat16, sum_dtype=None):
+        super().__init__()
+        self.experts = nn.Linear(H, H, bias=False, dtype=dtype)
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(H, dtype=dtype))
+        self.sum_dtype = sum_dtype
+
+    def forward(self, x, residual):
+        rows = self.experts(x.reshape(-1, H).repeat(E, 1))  # [E * T, H]
+        dist.all_reduce(rows)
+        combined = rows.view(E, -1, H).sum(0, dtype=self.sum_dtype).to(x.dtype)
+        h = residual + combined.view(x.shape)
+        return NORMS["hf_llama"][0](h, self.weight, 1e-6), h
+
+
+def test_routed_plus_shared_becomes_one_all_reduce_and_fuses(fake_pg):
+    fused, left, actual, expected, stats = run(RoutedPlusShared())
+    assert left == 0 and len(fused) == 1 and fused[0][1] is not None  # the residual is the op's
+    assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
+    assert_matches_eager(actual, expected)
+
+
+def test_three_all_reduces_summed_become_one(fake_pg):
+    fused, left, _, _, stats = run(RoutedPlusShared(terms=3))
+    assert left == 0 and len(fused) == 1 and stats["summed_all_reduces_merged"] == 2
+
+
+def test_expert_rows_are_summed_before_the_all_reduce(fake_pg):
+    fused, left, actual, expected, stats = run(ExpertRowsSummed())
+    assert left == 0 and len(fused) == 1 and stats["sums_moved_before_all_reduce"] == 1
+    assert_matches_eager(actual, expected)
+
+
+def test_all_reduces_on_different_groups_are_not_merged():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        groups = [dist.new_group([0, 1]), dist.new_group([0, 1, 2, 3])]
+        fused, left, _, _, stats = run(RoutedPlusShared(groups=groups))
+        assert stats["summed_all_reduces_merged"] == 0 and left + len(fused) == 2
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_all_reduce_read_elsewhere_is_not_merged(fake_pg):
+    fused, left, actual, expected, stats = run(RoutedPlusShared(shared_read_elsewhere=True))
+    assert stats["summed_all_reduces_merged"] == 0 and left == 2
+    for a, e in zip(actual, expected):  # left to Inductor, which rounds the unfused sum its own way
+        assert_close(a, e, torch.bfloat16, "read elsewhere")
+
+
+# ------------------------------------------------------------------ real ranks
+
+
+def _moe_ends(rank, dynamic):
+    torch.manual_seed(0)  # same weights on every rank
+    models = [RoutedPlusShared(), RoutedPlusShared(terms=3), ExpertRowsSummed(),
+              ExpertRowsSummed(sum_dtype=torch.float32)]
+    torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
+    inputs = (torch.randn(1, 6, H, dtype=torch.bfloat16), torch.randn(1, 6, H, dtype=torch.bfloat16))
+    for model in models:
+        actual, expected, stats = compiled_vs_eager(model, inputs, dynamic=dynamic)
+        assert stats["fused_sites"] == 1 and stats["unfused_sites"] == 0, (type(model).__name__, stats)
+        for a, e in zip(actual, expected):
+            assert_close(a, e, torch.bfloat16, type(model).__name__)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_moe_ends_match_uncompiled(dynamic):
+    run_workers(_moe_ends, 2, dynamic)
+
+
+def test_stats_name_the_rewrites(fake_pg):
+    arfusion.reset_stats()
+    run(RoutedPlusShared())
+    run(ExpertRowsSummed())
+    stats = arfusion.stats()
+    assert (stats["summed_all_reduces_merged"], stats["sums_moved_before_all_reduce"]) == (1, 1)
