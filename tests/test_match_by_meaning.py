@@ -196,6 +196,19 @@ def test_lookalikes_stay_unfused_and_say_why(fake_pg, caplog, name):
     assert "not fused" in caplog.text
 
 
+def test_a_graph_break_between_all_reduce_and_norm_is_named(fake_pg):
+    class Broken(Site):
+        def forward(self, x, residual):
+            y = self.proj(x)
+            dist.all_reduce(y)
+            h = residual + y
+            torch._dynamo.graph_break()  # e.g. an .item() in an MoE expert loop (LongCat-Flash)
+            return self.norm(h, self.weight, self.eps), h
+
+    fused, left, _, _, stats = run(Broken(NORMS["hf_llama"][0]))
+    assert fused == [] and left == 1 and any("graph break" in r for r in stats["why_not"]), stats["why_not"]
+
+
 def test_granite_scale_between_all_reduce_and_add_stays_unfused(fake_pg):
     class Scaled(Site):
         def forward(self, x, residual):

@@ -35,6 +35,7 @@ from .region import (CONSTANT_PRODUCERS, LIKE_OPS, OTHER_SHAPE_OPS, REDUCTIONS, 
 aten, prims = torch.ops.aten, torch.ops.prims
 _MEMO_SIZE = 256
 SCALED_REASON = "the all-reduced value is scaled before the residual add / norm (e.g. Granite's multiplier)"
+LAYERNORM_REASON = "the norm subtracts the mean (LayerNorm), it is not an RMSNorm"
 
 
 @dataclass(frozen=True)
@@ -283,8 +284,13 @@ class Classifier:
             return Plan(reason="the all-reduced tensor has no token dim")
         candidates = [i for i in range(self.region_size - 1, 0, -1) if self._may_be_norm_output(i)]
         if not candidates:
-            hint = f" ({'; '.join(enc.region.hints)})" if enc.region.hints else ""
-            return Plan(reason=f"no RMSNorm over the hidden dim reads the all-reduced value{hint}")
+            if enc.region.hints:
+                return Plan(reason=f"no RMSNorm over the hidden dim reads the all-reduced value "
+                                   f"({'; '.join(enc.region.hints)})")
+            if any(u.op == "output" for n in enc.nodes[:self.region_size] for u in n.users):
+                return Plan(reason="no norm reads the all-reduced value in this graph, which returns it "
+                                   "(after a graph break, the next norm is compiled in another graph)")
+            return Plan(reason="no RMSNorm over the hidden dim reads the all-reduced value")
         reasons = []
         for i in candidates:
             plan = self._norm_site(i)
@@ -308,6 +314,8 @@ class Classifier:
     def _norm_site(self, out: int) -> Plan:
         enc = self.enc
         site = enc.ids(ancestors_within(enc.nodes[out], self.members) | {enc.nodes[0]})
+        if self._subtracts_mean(site):
+            return Plan(reason=LAYERNORM_REASON)
         by_role: dict[str, list[int]] = {}
         for r in enc.site_roots(set(site)):
             by_role.setdefault(self._role_of_root(r), []).append(r)
@@ -358,7 +366,7 @@ class Classifier:
                    for e, y64 in zip(solved, exact_outputs)):
                 continue
             if eps_input is not None and any(abs(e - g) > 1e-6 * g for e, g in zip(solved, eps_values)):
-                return "a scalar input other than eps changes the norm"
+                return SCALED_REASON if self._scaled_start() else "a scalar input other than eps changes the norm"
             break
         else:
             return self._not_rms_reason(site)
@@ -389,10 +397,13 @@ class Classifier:
         near = [a for a in literals if abs(a - solved) <= forms.EPS_SNAP_RTOL * max(abs(a), 1e-300)]
         return min(near, key=lambda a: abs(a - solved)) if near else solved
 
-    def _not_rms_reason(self, site) -> str:
+    def _subtracts_mean(self, site) -> bool:
         targets = {self.enc.nodes[i].target for i in site}
-        if targets & {aten.var_mean.correction, aten.var.correction, aten.sub.Tensor}:
-            return "the norm subtracts the mean (LayerNorm), it is not an RMSNorm"
+        return bool(targets & {aten.var_mean.correction, aten.var.correction, aten.native_layer_norm.default})
+
+    def _not_rms_reason(self, site) -> str:
+        if self._subtracts_mean(site) or aten.sub.Tensor in {self.enc.nodes[i].target for i in site}:
+            return LAYERNORM_REASON
         if self._scaled_start():
             return SCALED_REASON
         return "its computation does not match all_reduce [+ residual] -> RMSNorm numerically"
