@@ -206,7 +206,7 @@ def test_a_graph_break_between_all_reduce_and_norm_is_named(fake_pg):
             return self.norm(h, self.weight, self.eps), h
 
     fused, left, _, _, stats = run(Broken(NORMS["hf_llama"][0]))
-    assert fused == [] and left == 1 and any("graph break" in r for r in stats["why_not"]), stats["why_not"]
+    assert stats["fused_sites"] == 0 and any("graph break" in r for r in stats["why_not"]), stats["why_not"]
 
 
 def test_granite_scale_between_all_reduce_and_add_stays_unfused(fake_pg):
