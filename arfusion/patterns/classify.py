@@ -56,7 +56,7 @@ class Plan:
     norm_out: int = -1
     nodes: frozenset[int] = frozenset()  # the norm site's nodes (start included)
     exits: tuple[tuple[int, str], ...] = ()
-    residual: int | None = None
+    residuals: tuple[int, ...] = ()  # the terms added to the all-reduced value (roots)
     weight: int | None = None
     eps: float = 0.0
     eps_input: int | None = None
@@ -72,7 +72,7 @@ class Site:
     norm_out: torch.fx.Node
     nodes: set[torch.fx.Node]
     exits: list[tuple[torch.fx.Node, str]]
-    residual: torch.fx.Node | None
+    residuals: list[torch.fx.Node]  # summed into the op's residual input
     weight: torch.fx.Node | None
     eps: float
     eps_input: torch.fx.Node | None
@@ -227,7 +227,8 @@ class Classifier:
         gen = torch.Generator().manual_seed(forms.PROBE_SEED)
         rows = forms.PROBE_ROWS
         self.reduced64 = forms.probe_activation(rows, self.hidden, self.dtype, gen).double()
-        self.residual64 = forms.probe_activation(rows, self.hidden, self.dtype, gen).double()
+        self.terms64 = [forms.probe_activation(rows, self.hidden, self.dtype, gen).double()
+                        for _ in range(forms.MAX_RESIDUAL_TERMS)]
         self.weight64 = torch.rand(self.hidden, generator=gen, dtype=torch.float64) * 3 - 1.5
         self.region_size = len(region.nodes) + 1
         self.members = set(enc.nodes[:self.region_size])
@@ -252,9 +253,10 @@ class Classifier:
         real = values64.reshape(shape).to(value(node).dtype)
         return real, real.double()
 
-    def _inputs(self, residual: int | None, weight: int | None, scalars: dict[int, float]) -> Probe:
+    def _inputs(self, residuals: tuple[int, ...], weight: int | None, scalars: dict[int, float]) -> Probe:
         probe = Probe({}, {})
-        given = [(0, self.reduced64, True), (residual, self.residual64, True), (weight, self.weight64, False),
+        given = [(0, self.reduced64, True), *((r, t, True) for r, t in zip(residuals, self.terms64)),
+                 (weight, self.weight64, False),
                  *((i, torch.tensor(v, dtype=torch.float64), False) for i, v in scalars.items())]
         for i, values64, carries_tokens in given:
             if i is not None:
@@ -322,41 +324,59 @@ class Classifier:
         if by_role.get("other"):
             shapes = [hinted_shape(enc.nodes[r]) for r in by_role["other"]]
             return Plan(reason=f"the norm also reads tensors of shape {shapes}")
-        if len(by_role.get("activation", [])) > 1:
-            return Plan(reason="more than one activation-sized tensor is added (two all-reduces summed, or "
-                               "a replicated term added: MoE shapes)")
+        residuals = tuple(sorted(by_role.get("activation", [])))
+        if len(residuals) > forms.MAX_RESIDUAL_TERMS:
+            return Plan(reason=f"more than {forms.MAX_RESIDUAL_TERMS} activation-sized terms are added")
         if len(by_role.get("vector", [])) > 1 or len(by_role.get("scalar", [])) > 1:
             return Plan(reason="the norm reads more than one weight or scalar")
-        residual = (by_role.get("activation") or [None])[0]
         weight = (by_role.get("vector") or [None])[0]
         eps_input = (by_role.get("scalar") or [None])[0]
-        if residual is not None and value(enc.nodes[residual]).dtype != self.dtype:
-            return Plan(reason="the residual's dtype differs from the all-reduced tensor's")
+        if any(value(enc.nodes[r]).dtype != self.dtype for r in residuals):
+            return Plan(reason="a term added to the all-reduced value has another dtype")
         if eps_input is not None and value(enc.nodes[eps_input]).device.type != "cpu":
             return Plan(reason="eps is a device tensor (reading it would synchronise)")
         try:
-            found = self._norm_numerics(site, out, residual, weight, eps_input)
+            found = self._norm_numerics(site, out, residuals, weight, eps_input)
             if isinstance(found, str):
                 return Plan(reason=found)
             norm, eps, probe, env = found
             if weight is not None and value(enc.nodes[weight]).dtype != self.dtype:
                 return Plan(reason=f"the norm weight is {value(enc.nodes[weight]).dtype}, the activations "
                                    f"{self.dtype} (the fused kernels need one dtype; vllm#48324)")
-            exits = self._norm_exits(site, out, residual, probe, env)
+            exits = self._norm_exits(site, out, residuals, probe, env)
         except ProbeError as e:
             return Plan(reason=f"could not evaluate the norm candidate: {e}")
         if isinstance(exits, str):
             return Plan(reason=exits)
-        return Plan(norm_out=out, nodes=site, exits=exits, residual=residual, weight=weight,
+        return Plan(norm_out=out, nodes=site, exits=exits, residuals=residuals, weight=weight,
                     eps=0.0 if eps_input is not None else eps, eps_input=eps_input, norm=norm)
 
-    def _norm_numerics(self, site, out, residual, weight, eps_input):
+    def _residual_sum(self, probe: Probe, residuals) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """(what the op's residual output holds, how far the graph's own sum may lie from it).
+
+        The op sums the terms in order, then adds the all-reduced value, rounding each time. With
+        one term the graph rounds once too: it must agree to RESIDUAL_ULPS. With k terms in all
+        (an MoE shared expert's output, say) the graph may add them in another order; each order
+        rounds k - 1 times at magnitudes up to the sum of the terms' magnitudes, so two orders
+        may differ by (k - 1) ulp there."""
+        reduced = self._given(probe, 0, False)
+        terms = [self._given(probe, r, False) for r in residuals]
+        total = None
+        for t in terms:
+            total = t if total is None else total + t
+        h = reduced if total is None else total + reduced
+        if len(terms) < 2:
+            return h, 0.0
+        magnitude = sum(x.abs().double() for x in (reduced, *terms))
+        return h, len(terms) * forms.ulp(magnitude, self.dtype)
+
+    def _norm_numerics(self, site, out, residuals, weight, eps_input):
         """(norm form, eps, probe, real values) or the reason it is not an RMSNorm."""
         y_node = self.enc.nodes[out]
         kinds = ("plain", "offset") if weight is not None else ("none",)
         eps_values = forms.EPS_TENSOR_PROBES if eps_input is not None else (None,)
-        probes = [self._inputs(residual, weight, {} if e is None else {eps_input: e}) for e in eps_values]
-        h64 = self._given(probes[0], 0, True) + (self._given(probes[0], residual, True) if residual is not None else 0)
+        probes = [self._inputs(residuals, weight, {} if e is None else {eps_input: e}) for e in eps_values]
+        h64 = self._given(probes[0], 0, True) + sum((self._given(probes[0], r, True) for r in residuals), 0)
         w64 = self._given(probes[0], weight, True)
         exact_outputs = [self._rows(self._run(site, p, exact=True)[y_node]) for p in probes]
         for kind in kinds:
@@ -375,10 +395,12 @@ class Classifier:
         probe, eps = probes[-1], self._written_eps(site, solved[-1])
         env = self._run(site, probe, exact=False)
         y_real = self._rows(env[y_node])
-        reduced, res = self._given(probe, 0, False), self._given(probe, residual, False)
-        h_rounded = reduced if res is None else res + reduced
+        h_rounded, order_slack = self._residual_sum(probe, residuals)
         kernel = forms.exact_rms(h_rounded.double(), factor, eps)
-        if not forms.within_ulps(y_real, kernel, self.dtype, forms.NORM_ULPS[self.dtype]):
+        # The graph normalises its own sum: a difference there reaches the norm, normalised.
+        rms = torch.sqrt(h_rounded.double().pow(2).mean(-1, keepdim=True) + eps)
+        carried = order_slack * torch.as_tensor(factor, dtype=torch.float64).abs() / rms
+        if not forms.within_ulps(y_real, kernel, self.dtype, forms.NORM_ULPS[self.dtype], extra=carried):
             if self._scaled_start():
                 return SCALED_REASON
             return ("computes RMSNorm, but rounds differently from the fused kernels by more than "
@@ -412,12 +434,11 @@ class Classifier:
         start = self.enc.nodes[0]
         return any(u in self.members and u.target in (aten.mul.Tensor, aten.div.Tensor) for u in start.users)
 
-    def _norm_exits(self, site, out, residual, probe, env):
+    def _norm_exits(self, site, out, residuals, probe, env):
         """Every site node read from outside gets a role, or the reason why one cannot."""
         enc = self.enc
         site_nodes = {enc.nodes[i] for i in site}
-        reduced, res = self._given(probe, 0, False), self._given(probe, residual, False)
-        h = reduced if res is None else res + reduced
+        h, order_slack = self._residual_sum(probe, residuals)
         exits = []
         for i in sorted(site):
             node = enc.nodes[i]
@@ -428,10 +449,10 @@ class Classifier:
                 continue
             val = env[node]
             if isinstance(val, torch.Tensor) and val.dtype == self.dtype and val.numel() == h.numel() and \
-                    forms.within_ulps(self._rows(val), h, self.dtype, forms.RESIDUAL_ULPS):
+                    forms.within_ulps(self._rows(val), h, self.dtype, forms.RESIDUAL_ULPS, extra=order_slack):
                 exits.append((i, "residual"))
                 continue
-            if i == 0 and residual is not None:
+            if i == 0 and residuals:
                 return "the all-reduced value itself is also read elsewhere (only its sum with the residual can be)"
             return f"an intermediate ({node.name}, {node.target}) is also read outside the site"
         return tuple(exits)
@@ -464,7 +485,7 @@ class Classifier:
         if plan.eps_input is not None:
             scalars[plan.eps_input] = forms.EPS_TENSOR_PROBES[0]
         try:
-            probe = self._inputs(plan.residual, plan.weight, scalars)
+            probe = self._inputs(plan.residuals, plan.weight, scalars)
             env = self._run(plan.nodes | ids, probe, exact=False)
         except ProbeError:
             return None
@@ -556,7 +577,7 @@ def _materialize(plan: Plan, enc: Encoding) -> Site:
     node = enc.nodes.__getitem__
     site = Site(region=enc.region, norm_out=node(plan.norm_out), nodes={node(i) for i in plan.nodes},
                 exits=[(node(i), r) for i, r in plan.exits],
-                residual=None if plan.residual is None else node(plan.residual),
+                residuals=[node(r) for r in plan.residuals],
                 weight=None if plan.weight is None else node(plan.weight), eps=plan.eps,
                 eps_input=None if plan.eps_input is None else node(plan.eps_input), norm=plan.norm)
     q = plan.quant

@@ -6,7 +6,8 @@ MoE blocks all-reduce more than they need to:
   in the input dtype before the reduction;
 - expert rows are all-reduced before being summed over the experts (Llama-4):
   sum(AR(x), dim) = AR(sum(x, dim)), an all-reduce E times smaller.
-Both are linear identities; only where the rounding happens moves. The rewritten all-reduce is
+Both are linear identities; only where the rounding happens moves. An all-reduced value that
+Inductor folded into a GEMM's bias slot (`addmm`) is first unfolded into `mm + add`. The rewritten all-reduce is
 then an ordinary site for `classify`, judged by the usual rule.
 Only regroupings of the same elements (reshape/view) may sit between an all-reduce and the sum,
 and each all-reduce's result must be read by that sum alone.
@@ -102,8 +103,29 @@ def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     return True
 
 
+def _unfold_addmm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """addmm(AR(x), a, b) -> AR(x) + mm(a, b). Inductor folds an MoE block's `routed + shared`
+    into the shared expert's GEMM, the all-reduced value in its bias slot; unfolded, the
+    product is one more term of the site's residual."""
+    if node.target is not aten.addmm.default or node.kwargs or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    bias = node.args[0]
+    while bias.target in REGROUPINGS:
+        bias = bias.args[0]
+    if bias.target is not WAIT or value(node.args[0]).shape != value(node).shape:
+        return False
+    build = Builder(graph, node)
+    product = build.call(aten.mm.default, node.args[1], node.args[2])
+    total = build.call(aten.add.Tensor, node.args[0], product)
+    node.replace_all_uses_with(total)
+    graph.erase_node(node)
+    return True
+
+
 def merge(graph: torch.fx.Graph) -> dict[str, int]:
-    """Apply both rewrites until none applies; how many of each."""
+    """Apply the rewrites until none applies; how many of each."""
+    for node in list(graph.nodes):
+        _unfold_addmm(graph, node)
     done = {"summed_all_reduces_merged": 0, "sums_moved_before_all_reduce": 0}
     changed = True
     while changed:

@@ -72,7 +72,7 @@ class Builder:
 
 
 def op_site(site: Site) -> OpSite:
-    return OpSite(residual=site.residual is not None, norm=site.norm, quant=site.quant, emit_norm=site.emit_norm)
+    return OpSite(residual=bool(site.residuals), norm=site.norm, quant=site.quant, emit_norm=site.emit_norm)
 
 
 def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, site_key: str) -> bool:
@@ -82,12 +82,15 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     build = Builder(graph, anchor)
     region = site.region
     norm_out = site.norm_out
-    sources = [n for n in (region.x, site.residual, norm_out) if n is not None]
+    sources = [region.x, *site.residuals, norm_out]
     x = build.reshape(region.x, norm_out, sources)
-    residual = site.residual and build.reshape(site.residual, norm_out, sources)
-    if x is None or residual is None and site.residual is not None:
+    terms = [build.reshape(r, norm_out, sources) for r in site.residuals]
+    if x is None or None in terms:
         _undo(graph, build)
         return False
+    residual = None
+    for term in terms:  # several terms (an MoE shared expert's output): summed before the op
+        residual = term if residual is None else build.call(aten.add.Tensor, residual, term)
     scale = site.quant_scale
     if scale is not None and site.scale_inverted:
         scale = build.call(aten.reciprocal.default, scale)
@@ -115,7 +118,7 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     for node in sorted(site.nodes | {region.all_reduce}, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
-    inputs = [n for n in (site.residual, site.weight, site.eps_input, site.quant_scale) if n is not None]
+    inputs = [n for n in (*site.residuals, site.weight, site.eps_input, site.quant_scale) if n is not None]
     if any(order[n] > order[anchor] for n in inputs):
         stable_topological_sort(graph)  # an input defined after the site's first output (Gemma's 1 + w)
     return True
