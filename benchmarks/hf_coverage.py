@@ -140,10 +140,22 @@ class Worker:
                 self.one(model_type, row)
             except Exception as e:  # anything not caught by a step: the pair may be out of step now
                 row.setdefault("error", f"worker: {_short(e)}")
+            finally:
+                self.drop_groups()
             row["seconds"] = round(time.perf_counter() - started, 1)
             self.emit({"event": "done", "arch": model_type, "row": row})
         self.dist.barrier()
         self.dist.destroy_process_group()
+
+    def drop_groups(self) -> None:
+        """Every TP load makes a device mesh with new gloo groups (5-6 threads each); without this
+        a sweep ends with ~1600 threads per rank."""
+        from torch.distributed import distributed_c10d as c10d
+
+        for group in list(c10d._world.pg_map):
+            if group is not c10d.GroupMember.WORLD:
+                with contextlib.suppress(Exception):
+                    self.dist.destroy_process_group(group)
 
     def step(self, row: dict, name: str, fn):
         """Run fn on every rank; if any rank fails, all record the error and return None."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import subprocess
 import sys
 import warnings
@@ -12,6 +13,12 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from arfusion import hf  # noqa: E402
+
+
+def _live_transformers():
+    """The module `from transformers import ...` reads now: importing a modeling module can swap
+    the lazy `sys.modules["transformers"]` for a new object, so the one imported above may be stale."""
+    return importlib.import_module("transformers")
 
 
 def test_import_arfusion_does_not_import_transformers():
@@ -42,7 +49,7 @@ def test_old_spelling_when_distributed_config_lacks_tp_plan(monkeypatch):
     class OldDistributedConfig:  # as in releases whose DistributedConfig only knows other fields
         enable_expert_parallel: bool = False
 
-    monkeypatch.setattr(transformers, "DistributedConfig", OldDistributedConfig)
+    monkeypatch.setattr(_live_transformers(), "DistributedConfig", OldDistributedConfig)
     assert hf.tp_kwargs("auto") == {"tp_plan": "auto"}
 
 
@@ -52,7 +59,7 @@ def test_old_spelling_when_from_pretrained_ignores_distributed_config(monkeypatc
         def from_pretrained(cls, path, *args, tp_plan=None, **kwargs):
             return kwargs.pop("device_map", None)
 
-    monkeypatch.setattr(transformers, "PreTrainedModel", OldModel)
+    monkeypatch.setattr(_live_transformers(), "PreTrainedModel", OldModel)
     assert hf.tp_kwargs("auto") == {"tp_plan": "auto"}
 
 
