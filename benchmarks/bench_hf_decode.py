@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 2 benchmarks/bench_hf_decode.py --tiny            # CPU/gloo, seconds
     python benchmarks/bench_hf_decode.py --plot results/decode_llama_w2.json results/decode_llama_w4.json
 
-An HF model built from a config (Llama-3-8B shape by default; --model-type qwen3 or gemma for
-those architectures), random bf16 weights, loaded with `tp_plan="auto"`, static KV cache, compiled
+An HF model built from a config (Llama-3-8B shape by default; --model-type qwen3, gemma,
+qwen3_moe (Qwen3-30B-A3B) or deepseek_v2 (DeepSeek-V2-Lite) for those architectures), random bf16 weights, loaded with `tp_plan="auto"`, static KV cache, compiled
 twice: "off" (plain torch.compile) and "on" (the same with arfusion's pass). Both share the
 weights; each has its own caches. In one run, phase by phase (each phase writes the JSON again,
 so a run cut short keeps what it measured):
@@ -55,7 +55,7 @@ import arfusion
 from arfusion.backends import get_backend
 from arfusion.hf import tp_kwargs
 
-# Real models' shapes (random weights): Llama-3-8B, Qwen3-8B, Gemma-7B.
+# Real models' shapes (random weights): Llama-3-8B, Qwen3-8B, Gemma-7B, Qwen3-30B-A3B, DeepSeek-V2-Lite.
 PRESETS = {
     "llama": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
@@ -63,7 +63,25 @@ PRESETS = {
                   intermediate_size=12288, vocab_size=151936, head_dim=128, max_position_embeddings=8192),
     "gemma": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16,
                   intermediate_size=24576, vocab_size=256000, head_dim=256, max_position_embeddings=8192),
+    # MoE (issue 13): Qwen3-30B-A3B and DeepSeek-V2-Lite (use --layers to shorten them)
+    "qwen3_moe": dict(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                      num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, max_position_embeddings=8192),
+    "deepseek_v2": dict(hidden_size=2048, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+                        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, intermediate_size=10944, moe_intermediate_size=1408,
+                        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+                        vocab_size=102400, max_position_embeddings=8192),
 }
+# --tiny for the MoE presets: few small experts, and MLA ranks that fit hidden 256.
+TINY_MOE = {
+    "qwen3_moe": dict(moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2),
+    "deepseek_v2": dict(moe_intermediate_size=128, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
+                        qk_rope_head_dim=16, v_head_dim=32),
+}
+REWRITE_COUNTS = ("fused_sites", "unfused_sites", "summed_all_reduces_merged", "sums_moved_before_all_reduce",
+                  "moe_combines_fused")
 PHASES = ("startup", "decode", "accuracy", "prefill", "kernels", "loop", "generate")
 CONFIGS = ("off", "on")
 LOOP_CHUNKS = 4  # the reduce-overhead loop's timed steps, in chunks (median chunk reported)
@@ -84,6 +102,9 @@ def model_config(args, world: int):
         shape = dict(hidden_size=256, num_hidden_layers=args.layers or 2, num_attention_heads=heads,
                      num_key_value_heads=world, intermediate_size=512, vocab_size=512,
                      max_position_embeddings=4096, head_dim=256 // heads)
+        shape.update(TINY_MOE.get(args.model_type, {}))
+        if args.model_type == "deepseek_v2":
+            shape["num_key_value_heads"] = heads  # MLA: no grouped KV heads
     else:
         shape = dict(PRESETS[args.model_type])
         if args.layers:
@@ -365,7 +386,11 @@ class Bench:
             self.say(f"decode batch {batch}: off {row['off_ms']:.3f} ms, on {row['on_ms']:.3f} ms, "
                      f"{row['gain_pct']:+.1f}% ({row['on_dispatch']})")
             rows.append(row)
-        return {"rows": rows, "captured": self.cuda, "replays": self.args.replays, "context": self.args.prompt}
+        # What the pass did to the graphs timed here (MoE: all-reduces merged or moved).
+        done = {k: v for k, v in arfusion.stats().items() if k in REWRITE_COUNTS and v}
+        self.say(f"pass: {done}")
+        return {"rows": rows, "captured": self.cuda, "replays": self.args.replays, "context": self.args.prompt,
+                "pass": done}
 
     def phase_accuracy(self):
         steps = self.args.steps
