@@ -77,6 +77,11 @@ for s in "$@"; do
       --tag b --budget-s 470 --out "$OUT" ;;
     prefill4) stage prefill4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases prefill --tag prefill \
       --out "$OUT" ;;
+    # MoE (issue 13): Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, fewer layers, decode + accuracy.
+    moe2) stage moe2-qwen3 "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type qwen3_moe \
+        --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT"
+      stage moe2-dsv2 "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type deepseek_v2 \
+        --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT" ;;
     loop2) stage loop2 "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     loop2r) stage loop2r "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
       --tag loop_on_first --out "$OUT" ;;
