@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -28,6 +29,7 @@ from .config import PassConfig, env_disabled
 from .graph_utils import (ALL_REDUCE, REDUCE_SCATTER, dedupe_pure_nodes, has_fp8_casts,
                           move_all_reduce_to_current_stream)
 from .ops import current_stream_pays, group_size
+from .patterns.region import hinted_shape
 from .version import __version__
 
 log = logging.getLogger("arfusion")
@@ -110,6 +112,12 @@ class ArFusionPass(CustomGraphPass):
         if start is None:
             op = all_reduce.args[1]
             return "none", f"a {op} all-reduce" if op != "sum" else "its result is not simply awaited"
+        shape = hinted_shape(start)
+        if shape is not None and math.prod(shape[:-1]) == 0:
+            # A graph traced with zero tokens (an empty batch; dynamo specialises size 0, so it is
+            # never symbolic). The region walk finds the token dims by divisibility, which a size
+            # of 0 cannot give (it raised ZeroDivisionError), and there is nothing to fuse.
+            return "none", "zero tokens (an empty batch): nothing to fuse"
         order = {n: i for i, n in enumerate(graph.nodes)}
         site = patterns.find_site(patterns.grow(start, order), self.config.fused_quant_forms())
         if isinstance(site, str):
