@@ -292,6 +292,7 @@ class Worker:
         row["by_pattern"] = stats["by_pattern"]
         row["unfused_sites"] = stats.get("unfused_sites")
         row["why_not"] = stats.get("why_not", {})
+        row["rewrites"] = {k: stats[k] for k in REWRITES if stats.get(k)}
         row["graphs"] = stats.get("graphs")
         row["not_fused_log"] = _not_fused_reasons(lines)
         row["log"] = [ln for ln in lines if "fused" in ln][:20]
@@ -450,13 +451,20 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
-ROW_HEADER = ("| model type | sites (counter) | fused | other AR shapes / look-alikes | err pass vs compile "
-              "| err compile vs eager | why not |")
+ROW_HEADER = ("| model type | sites (counter) | fused | other AR shapes / look-alikes | all-reduces rewritten "
+              "| err pass vs compile | err compile vs eager | why not |")
+# stats() counters of the MoE rewrites, and how the table names them
+REWRITES = {"summed_all_reduces_merged": "merged", "sums_moved_before_all_reduce": "sum moved before",
+            "moe_combines_fused": "top-k combine fused"}
+
+
+def rewrites(row: dict) -> str:
+    return ", ".join(f"{v} {REWRITES[k]}" for k, v in (row.get("rewrites") or {}).items())
 
 
 def table_row(row: dict) -> str:
     cells = [f"`{row['model_type']}`", str(row.get("sites", "-")), str(row.get("fused", "-")),
-             other_shapes(row), _fmt_err(row.get("err_pass_vs_compile")), _fmt_err(row.get("err_compile_vs_eager")),
+             other_shapes(row), rewrites(row), _fmt_err(row.get("err_pass_vs_compile")), _fmt_err(row.get("err_compile_vs_eager")),
              why_not(row)]
     return "| " + " | ".join(c.replace("|", "/") for c in cells) + " |"
 
@@ -524,12 +532,15 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
       f"1 × {TOKENS} tokens\n")
     w("- columns: *sites* = all-reduce [views] [+ residual] → RMSNorm calls counted in the eager "
       "model (see below); *fused* = `arfusion.stats()['fused_sites']` with "
-      "`PassConfig(enable_allreduce_fusion=True, backend=\"torch\")`; errors are max|a−b|/max|b| of "
+      "`PassConfig(enable_allreduce_fusion=True, backend=\"torch\")`; *all-reduces rewritten* = MoE "
+      "ends changed before matching (`merged`: AR(a) + AR(b) became one all-reduce, one collective "
+      "fewer per layer; `sum moved before`: sum(AR(x)) became AR(sum(x)); `top-k combine fused`: the "
+      "expert combine runs inside the site's op); errors are max|a−b|/max|b| of "
       "the logits (pass vs plain `torch.compile`, plain `torch.compile` vs eager: Inductor alone "
       "deviates on some MoE models, where a top-k router can turn a last-bit difference into another "
       "expert); *why not* = `stats()['why_not']`, else the `arfusion` logger's \"not fused\" lines, "
       "else the error that stopped the row.\n\n")
-    w(ROW_HEADER + "\n|---|---|---|---|---|---|---|\n")
+    w(ROW_HEADER + "\n|---|---|---|---|---|---|---|---|\n")
     for row in rows:
         w(table_row(row) + "\n")
     if failed:
@@ -569,14 +580,16 @@ def driver_main(args) -> int:
             return 2
         wanted = only
     to_run = [m for m in wanted if m not in skipped]
+    previous = {}
+    if args.update:  # rerun some rows of an existing report, keep the others
+        previous = {r["model_type"]: r for r in json.loads(Path(args.json).read_text())["rows"]}
     print(f"{len(wanted)} architectures ({len(to_run)} to run), timeout {args.timeout:.0f} s each; "
           f"rank logs in {args.log}", file=sys.stderr)
     started = time.time()
     results = sweep(to_run, args.timeout, Path(args.log), show_progress=not args.quiet) if to_run else {}
     wall = time.time() - started
-    rows = []
-    for m in wanted:
-        rows.append({"model_type": m, "error": skipped[m]} if m in skipped else results[m])
+    fresh = {m: ({"model_type": m, "error": skipped[m]} if m in skipped else results[m]) for m in wanted}
+    rows = [fresh.get(m, r) for m, r in previous.items()] + [r for m, r in fresh.items() if m not in previous]
     commit = os.environ.get("HF_COVERAGE_COMMIT")  # a run from an exported tree names its commit
     if not commit:
         try:
@@ -586,7 +599,11 @@ def driver_main(args) -> int:
             commit = "?"
     import arfusion
 
-    meta = {"command": "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else ""),
+    command = "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else "")
+    if args.update:
+        old_meta = json.loads(Path(args.json).read_text())["meta"]
+        command = f"{old_meta['command']}, then {command} --update"
+    meta = {"command": command,
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "wall_s": round(wall, 1),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "arfusion": arfusion.__version__, "commit": commit, "machine": _machine(), "timeout_s": args.timeout}
@@ -606,6 +623,8 @@ def main(argv=None) -> int:
     p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "arfusion-coverage-ranks.log"),
                    help="where the ranks' stdout/stderr go")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--update", action="store_true",
+                   help="rerun the --only rows of the existing --json report and rewrite it with the others kept")
     # internal: one rank of the pair
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--archs", help=argparse.SUPPRESS)

@@ -88,9 +88,9 @@ def test_table_rows_and_summary(sweep):
     assert [re.match(r"\| `([^`]+)` \|", line).group(1) for line in rows] == list(SWEEP)
     for line in rows:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        assert len(cells) == 7, line
+        assert len(cells) == 8, line
         assert cells[1].isdigit() and cells[2].isdigit(), line
-        assert re.fullmatch(r"\d\.\de[+-]\d\d", cells[4]) and re.fullmatch(r"\d\.\de[+-]\d\d", cells[5]), line
+        assert re.fullmatch(r"\d\.\de[+-]\d\d", cells[5]) and re.fullmatch(r"\d\.\de[+-]\d\d", cells[6]), line
     assert re.search(r"\*\*4 architectures, \d+ sites \(counter\), \d+ fused, \d+ fully fused\*\*", md)
     assert "## How the counter works" in md
     assert hf_coverage.table_row(sweep["rows"]["llama"]) in md
