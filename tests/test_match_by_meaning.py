@@ -221,6 +221,22 @@ def test_granite_scale_between_all_reduce_and_add_stays_unfused(fake_pg):
     assert fused == [] and left == 1 and any("scaled" in r for r in stats["why_not"])
 
 
+@pytest.mark.parametrize("beta", [1.0, None])
+def test_a_scaled_residual_is_a_residual_term(fake_pg, beta):
+    """MiniMax: `residual * alpha + y * beta` with beta = 1.0 as configured (or absent): the
+    scaled residual is computed outside the site and is its residual input as it stands."""
+    class MiniMaxLike(Site):
+        def forward(self, x, residual):
+            y = self.proj(x)
+            dist.all_reduce(y)
+            h = residual * 3.5566 + (y if beta is None else y * beta)
+            return self.norm(h, self.weight, self.eps), h
+
+    fused, left, actual, expected, _ = run(MiniMaxLike(NORMS["hf_llama"][0]))
+    assert len(fused) == 1 and left == 0
+    assert_matches_eager(actual, expected)
+
+
 def test_norm_weight_in_another_dtype_stays_unfused(fake_pg):
     """An fp32 weight inside a norm that casts back to bf16: the kernels would read it as bf16."""
     fused, left, _, _, stats = run(Site(NORMS["olmo2_weight_in_fp32"][0], weight_dtype=torch.float32))

@@ -95,20 +95,27 @@ class Site:
 # ------------------------------------------------------------------ the region, canonically
 
 
+CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
+
+
 def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [i for i in node.all_input_nodes if isinstance(value(i), torch.Tensor)]
 
 
-def _preparation(node: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+def _preparation(node: torch.fx.Node, activation_numel: int) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
     """The pointwise chain that prepares an outside input (`1 + w.float()`), in order, and the
-    tensor it starts from (None: a constant, e.g. `full([], 2**22)`)."""
+    tensor it starts from (None: a constant, e.g. `full([], 2**22)`). An activation-sized value
+    is a residual term as computed, whatever computed it (MiniMax scales its residual by alpha):
+    only casts are looked through there, so the dtype check sees the term's own dtype."""
     chain = []
     while True:
         if node.op == "call_function" and node.target in CONSTANT_PRODUCERS and not node.all_input_nodes:
             return [node, *reversed(chain)], None
         inputs = _tensor_inputs(node)
+        computed_term = (node.target not in CASTS and isinstance(value(node), torch.Tensor)
+                         and math.prod(hinted_shape(node)) == activation_numel)
         if node.op == "call_function" and len(inputs) == 1 and (is_pointwise(node) or node.target in LIKE_OPS) \
-                and len(node.all_input_nodes) == 1:
+                and len(node.all_input_nodes) == 1 and not computed_term:
             chain.append(node)
             node = inputs[0]
             continue
@@ -142,7 +149,7 @@ class Encoding:
     def _add_outside(self, node: torch.fx.Node) -> None:
         if node in self.local:
             return
-        chain, root = _preparation(node)
+        chain, root = _preparation(node, self.region.tokens * self.region.hidden)
         ids = [self._add(n) for n in chain]
         root_id = None if root is None else self._add(root)
         if root_id is not None and root_id not in self.roots:
