@@ -1,0 +1,60 @@
+"""The accuracy harness's --tiny mode, as CI runs it: train a tiny Llama on stdlib sources, then
+evaluate it with torchrun, 2 processes, gloo on CPU (benchmarks/eval_accuracy.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SLACK = 5e-3  # a 2-layer, hidden-128 model: its bf16 errors are a few 1e-3, so is one rounding's difference
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("acc")
+    ckpt, out = tmp / "ckpt", tmp / "out"
+    done = subprocess.run([sys.executable, str(BENCH / "train_tiny_llama.py"), "--tiny", "--out", str(ckpt)],
+                          capture_output=True, text=True, timeout=600, env=ENV)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(BENCH / "eval_accuracy.py"), "--tiny", "--model", str(ckpt), "--out", str(out),
+                           "--abs-slack", str(SLACK)], capture_output=True, text=True, timeout=600, env=ENV)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {"train": json.loads((ckpt / "train_meta.json").read_text()),
+            "eval": json.loads((out / "accuracy_llama_w2.json").read_text()),
+            "md": (out / "accuracy_llama_w2.md").read_text(), "stdout": done.stdout}
+
+
+def test_training_reduced_heldout_loss(run):
+    t = run["train"]
+    assert t["heldout_loss_after"] < t["heldout_loss_before"] - 0.5
+    assert t["heldout_files"] > 0 and t["train_files"] > 10 * t["heldout_files"]
+
+
+def test_every_configuration_reported(run):
+    rows = run["eval"]["configurations"]
+    assert set(rows) == {"fp32", "eager", "compiled", "arfusion_exact"}
+    for name, r in rows.items():
+        assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1, name
+        for key in ("ppl_rel_vs_fp32", "ppl_rel_vs_compiled", "logits_rel_err_max", "top1_agreement"):
+            assert math.isfinite(r[key]), (name, key)
+    assert rows["arfusion_exact"]["fused_sites"] == 2 * run["eval"]["meta"]["layers"] + 1
+    assert "| arfusion_exact |" in run["md"] and "| arfusion_exact |" in run["stdout"]
+
+
+def test_arfusion_exact_within_bars(run):
+    rows = run["eval"]["configurations"]
+    a, c = rows["arfusion_exact"], rows["compiled"]
+    assert a["logits_rel_err_max"] <= 1.1 * c["logits_rel_err_max"] + SLACK
+    assert abs(a["ppl_rel_vs_compiled"]) <= 1e-3
+    assert a["top1_agreement"] >= 0.95
+    ch = run["eval"]["checks"]["arfusion_exact"]
+    assert ch["logits_ok"] and ch["ppl_ok"]
