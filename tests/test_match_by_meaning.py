@@ -77,7 +77,7 @@ class Site(nn.Module):
     """proj -> all_reduce -> [view] -> [+ residual] -> norm spelling -> [quant spelling].
 
     residual: "first" (r + y, HF), "last" (y + r), "none", "moe" (all-reduce on [T, H], then a
-    view back to [B, S, H] before the add, as HF MoE blocks do).
+    view back to [B, S, H] before the add, as HF MoE blocks do), or a function (r, y) -> h.
     Returns the norm output (or the quant outputs) and the residual sum.
     """
 
@@ -97,7 +97,9 @@ class Site(nn.Module):
         else:
             y = self.proj(x)
             dist.all_reduce(y)
-            h = {"first": lambda: residual + y, "last": lambda: y + residual, "none": lambda: y}[self.residual]()
+            combine = self.residual if callable(self.residual) else {
+                "first": lambda r, y: r + y, "last": lambda r, y: y + r, "none": lambda r, y: y}[self.residual]
+            h = combine(residual, y)
         normed = self.norm(h, self.weight, self.eps)
         if self.quant is None:
             return normed, h
@@ -210,14 +212,7 @@ def test_a_graph_break_between_all_reduce_and_norm_is_named(fake_pg):
 
 
 def test_granite_scale_between_all_reduce_and_add_stays_unfused(fake_pg):
-    class Scaled(Site):
-        def forward(self, x, residual):
-            y = self.proj(x)
-            dist.all_reduce(y)
-            h = residual + y * 0.22
-            return self.norm(h, self.weight, self.eps), h
-
-    fused, left, _, _, stats = run(Scaled(NORMS["hf_llama"][0]))
+    fused, left, _, _, stats = run(Site(NORMS["hf_llama"][0], residual=lambda r, y: r + y * 0.22))
     assert fused == [] and left == 1 and any("scaled" in r for r in stats["why_not"])
 
 
@@ -225,14 +220,8 @@ def test_granite_scale_between_all_reduce_and_add_stays_unfused(fake_pg):
 def test_a_scaled_residual_is_a_residual_term(fake_pg, beta):
     """MiniMax: `residual * alpha + y * beta` with beta = 1.0 as configured (or absent): the
     scaled residual is computed outside the site and is its residual input as it stands."""
-    class MiniMaxLike(Site):
-        def forward(self, x, residual):
-            y = self.proj(x)
-            dist.all_reduce(y)
-            h = residual * 3.5566 + (y if beta is None else y * beta)
-            return self.norm(h, self.weight, self.eps), h
-
-    fused, left, actual, expected, _ = run(MiniMaxLike(NORMS["hf_llama"][0]))
+    minimax = Site(NORMS["hf_llama"][0], residual=lambda r, y: r * 3.5566 + (y if beta is None else y * beta))
+    fused, left, actual, expected, _ = run(minimax)
     assert len(fused) == 1 and left == 0
     assert_matches_eager(actual, expected)
 
