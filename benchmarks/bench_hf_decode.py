@@ -5,8 +5,8 @@
     python benchmarks/bench_hf_decode.py --plot results/decode_llama_w2.json results/decode_llama_w4.json
 
 An HF model built from a config (Llama-3-8B shape by default; --model-type qwen3, gemma,
-qwen3_moe (Qwen3-30B-A3B) or deepseek_v2 (DeepSeek-V2-Lite) for those architectures), random bf16 weights, loaded with `tp_plan="auto"`, static KV cache, compiled
-twice: "off" (plain torch.compile) and "on" (the same with arfusion's pass). Both share the
+qwen3_moe (Qwen3-30B-A3B) or deepseek_v2 (DeepSeek-V2-Lite) for those architectures), random
+bf16 weights, loaded with `tp_plan="auto"`, static KV cache, compiled twice: "off" (plain torch.compile) and "on" (the same with arfusion's pass). Both share the
 weights; each has its own caches. In one run, phase by phase (each phase writes the JSON again,
 so a run cut short keeps what it measured):
 

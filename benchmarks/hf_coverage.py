@@ -580,9 +580,9 @@ def driver_main(args) -> int:
             return 2
         wanted = only
     to_run = [m for m in wanted if m not in skipped]
-    previous = {}
-    if args.update:  # rerun some rows of an existing report, keep the others
-        previous = {r["model_type"]: r for r in json.loads(Path(args.json).read_text())["rows"]}
+    # --update: rerun some rows of an existing report, keep the others
+    report = json.loads(Path(args.json).read_text()) if args.update else {"rows": []}
+    previous = {r["model_type"]: r for r in report["rows"]}
     print(f"{len(wanted)} architectures ({len(to_run)} to run), timeout {args.timeout:.0f} s each; "
           f"rank logs in {args.log}", file=sys.stderr)
     started = time.time()
@@ -601,8 +601,7 @@ def driver_main(args) -> int:
 
     command = "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else "")
     if args.update:
-        old_meta = json.loads(Path(args.json).read_text())["meta"]
-        command = f"{old_meta['command']}, then {command} --update"
+        command = f"{report['meta']['command']}, then {command} --update"
     meta = {"command": command,
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "wall_s": round(wall, 1),
             "torch": torch.__version__, "transformers": transformers.__version__,
