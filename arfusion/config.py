@@ -44,6 +44,9 @@ class PassConfig:
     unfused_on_current_stream: a matched site left unfused at compile time gets its all-reduce
         as a blocking NCCL call on the caller's stream instead of Inductor's side-stream one
         (GPUs only; 2-5% faster per site inside CUDA graphs on H200, docs/benchmarks.md).
+    fuse_moe_combine: a site whose all-reduce input is an MoE top-k combine (HF grouped experts:
+        `(rows * w)[inv_perm].view(T, K, H).sum(1)`) takes the combine into its op too
+        (`arfusion::moe_combine_allreduce_rmsnorm`; FlashInfer's MoE finalize kernel at decode sizes).
     """
 
     enable_allreduce_fusion: bool = False
@@ -52,6 +55,7 @@ class PassConfig:
     enable_quant_fusion: bool = True
     quant_forms: tuple[str, ...] = QUANT_FORMS
     unfused_on_current_stream: bool = True
+    fuse_moe_combine: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:

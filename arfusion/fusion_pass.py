@@ -123,22 +123,49 @@ class ArFusionPass(CustomGraphPass):
         if isinstance(site, str):
             return "none", site
         reason = ""
+        combine = self._moe_combine(site, all_reduce)
         for variant in (site, site.without_quant()) if site.quant != "none" else (site,):
             reason = self._backend_refuses(variant)
             if reason:
                 continue
             name = patterns.op_site(variant).name
             cap = self.config.max_bytes(group_size(variant.region.group_name))
-            if patterns.rewrite(graph, variant, self.config.backend, -1 if cap is None else cap, site_key):
+            take = combine
+            if combine is not None:
+                refused = self._backend_refuses(variant, combine)
+                if refused:
+                    log.info("arfusion: %s: MoE top-k combine left to Inductor, the site fuses alone: %s",
+                             all_reduce.name, refused)
+                    take = None
+            if patterns.rewrite(graph, variant, self.config.backend, -1 if cap is None else cap, site_key,
+                                combine=take):
                 stats.record_site(site_key, name)
+                if take is not None:
+                    stats.record_moe_combine(site_key)
+                    log.info("arfusion: %s: MoE top-k combine (K=%d) fused into the site's op", all_reduce.name,
+                             take.top_k)
                 return "fused", name
             reason = "a symbolic shape between the all-reduce and the norm cannot be expressed"
         return "declined", reason
 
-    def _backend_refuses(self, site: patterns.Site) -> str:
+    def _moe_combine(self, site: patterns.Site, all_reduce: torch.fx.Node) -> patterns.Combine | None:
+        """The MoE top-k combine producing the site's all-reduce input, if there is one to take."""
+        if not self.config.fuse_moe_combine:
+            return None
+        found = patterns.find_moe_combine(site)
+        if isinstance(found, str):
+            # Dense sites (a matmul feeds the all-reduce) are not worth a line each.
+            level = logging.INFO if site.region.x.target is torch.ops.aten.sum.dim_IntList else logging.DEBUG
+            log.log(level, "arfusion: %s: no MoE top-k combine fused: %s", all_reduce.name, found)
+            return None
+        return found
+
+    def _backend_refuses(self, site: patterns.Site, combine: patterns.Combine | None = None) -> str:
         """Compile-time gate: fuse only what the backend accepts for these (static) shapes. A site
         declined here stays as Inductor compiles it (its own fused norm kernel), which beats a
-        run-time fallback inside the fused op."""
+        run-time fallback inside the fused op. With `combine`: whether the backend also takes
+        the MoE combine (where it has no kernel for these shapes, Inductor's compiled combine
+        beats the op's run-time fallback)."""
         normed = site.norm_out.meta["val"]
         weight = site.weight.meta["val"] if site.weight is not None else normed
         tokens = num_tokens(normed.shape)
@@ -149,6 +176,8 @@ class ArFusionPass(CustomGraphPass):
         backend, reason = backends.resolve(self.config.backend, normed.device)
         if backend is not None:
             reason = backend.why_not(call, self.config.max_bytes(call.world_size))
+            if not reason and combine is not None:
+                reason = backend.moe_combine_why_not(call, combine.top_k, None)
         return reason or ""
 
 

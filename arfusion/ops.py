@@ -222,3 +222,69 @@ def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_s
     if key is not None:
         _fake_layouts[key, site] = [(tuple(o.shape), o.stride(), o.dtype) for o in outs]
     return outs
+
+
+@torch.library.custom_op("arfusion::moe_combine_allreduce_rmsnorm", mutates_args=())
+def moe_combine_allreduce_rmsnorm(
+    rows: torch.Tensor,
+    scale: torch.Tensor,
+    index: torch.Tensor,
+    top_k: int,
+    scale_first: bool,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    eps_tensor: torch.Tensor | None,
+    group_name: str,
+    norm: str,
+    quant: str,
+    quant_scale: torch.Tensor | None,
+    emit_norm: bool,
+    backend: str,
+    max_bytes: int,
+    site_key: str = "",
+) -> list[torch.Tensor]:
+    """MoE top-k combine -> all_reduce -> [+ residual] -> RMSNorm [-> quant]; outputs [T, H] in
+    `Site.outputs()` order, as `fused_allreduce_rmsnorm` of the combined [T, H].
+
+    The combine is `reference.moe_combine(rows, scale, index, top_k, scale_first)`: rows [R, H]
+    permuted expert outputs, index [T * K] the row of each (token, k), scale [R, 1] per row
+    (scale_first) or [T * K, 1] per (token, k). residual is [T, H]. A backend with a fused kernel
+    (FlashInfer's MoE finalize, where its dispatch entry allows) runs it; otherwise the combine
+    runs in torch (compiled on GPUs) and then the ordinary fused site, so the answer is the same.
+    """
+    site = site_of(residual, norm, quant, emit_norm)
+    if site_key:
+        stats.record_site(site_key, site.name)
+        stats.record_moe_combine(site_key)
+    if eps_tensor is not None:
+        eps = float(eps_tensor)
+    hidden = rows.shape[-1]
+    tokens = index.numel() // top_k
+    chosen, reason = resolve(backend, rows.device)
+    if chosen is not None:
+        kernel_weight = weight if weight is not None else unit_weight(rows.device, rows.dtype, hidden)
+        call = Call(site=site, tokens=tokens, hidden=hidden, dtype=rows.dtype, weight_dtype=kernel_weight.dtype,
+                    world_size=group_size(group_name), device=rows.device, group_name=group_name)
+        override = None if max_bytes < 0 else max_bytes
+        reason = (chosen.why_not(call, override) or chosen.moe_combine_why_not(call, top_k, rows.shape[0])
+                  or chosen.prepare(call, override))
+        if reason is None:
+            stats.record_dispatch(chosen.name)
+            outs = chosen.run_moe_combine(call, rows, scale, index, top_k, scale_first,
+                                          None if residual is None else residual.reshape(tokens, hidden),
+                                          kernel_weight, eps, quant_scale)
+            return [o.reshape(tokens, o.shape[-1]) if o.dim() else o for o in outs]
+    log_once(f"arfusion: MoE combine of {site.name} ran in torch at run time, then the fused site: {reason}")
+    combine = (compiled(reference.moe_combine) if compiles_fallback(rows.device) else reference.moe_combine)
+    combined = combine(rows, scale, index, top_k, scale_first)
+    return fused_allreduce_rmsnorm(combined, residual, weight, eps, None, group_name, norm, quant, quant_scale,
+                                   emit_norm, backend, max_bytes)
+
+
+@moe_combine_allreduce_rmsnorm.register_fake
+def _moe_fake(rows, scale, index, top_k, scale_first, residual, weight, eps, eps_tensor, group_name, norm, quant,
+              quant_scale, emit_norm, backend, max_bytes, site_key=""):
+    combined = rows.new_empty((index.shape[0] // top_k, rows.shape[-1]))
+    return _fake(combined, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
+                 backend, max_bytes)

@@ -48,3 +48,14 @@ def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: t
 def unfused(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
             group_name: str, site: Site, quant_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
     return add_rms_norm(all_reduce_sum(x, group_name), residual, weight, eps, site, quant_scale)
+
+
+def moe_combine(rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, top_k: int,
+                scale_first: bool) -> torch.Tensor:
+    """The MoE top-k combine as HF's grouped experts spell it (transformers integrations/moe.py):
+    `(rows * scale)[index].view(T, K, H).sum(1)` (scale_first: one weight per permuted row,
+    scale [R, 1]) or `(rows[index] * scale).view(T, K, H).sum(1)` (one weight per (token, k) in
+    token order, scale [T * K, 1]). index is 1-D [T * K]: (token, k) -> row. Same ops, dtypes
+    and order as the graph, so the same rounding."""
+    gathered = (rows * scale)[index] if scale_first else rows[index] * scale
+    return gathered.view(-1, top_k, rows.shape[-1]).sum(1)

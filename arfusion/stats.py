@@ -8,6 +8,7 @@ from collections import Counter
 
 _lock = threading.Lock()
 _sites: dict[str, str] = {}  # site key -> pattern name, for every fused site of a compiled graph
+_moe_combines: set[str] = set()  # keys of the fused sites that took their MoE top-k combine in too
 _why_not: Counter[str] = Counter()  # reason -> all_reduces left unfused for it
 _dispatch: Counter[str] = Counter()
 _left: Counter[str] = Counter()  # all_reduces the pass left unfused: "total", "on_callers_stream"
@@ -34,6 +35,13 @@ def record_site(key: str, name: str) -> None:
             _sites[key] = name
 
 
+def record_moe_combine(key: str) -> None:
+    """A fused site whose op also computes the MoE top-k combine (pass and op, as record_site)."""
+    if key not in _moe_combines:
+        with _lock:
+            _moe_combines.add(key)
+
+
 def record_pass_seconds(seconds: float) -> None:
     global _pass_seconds
     with _lock:
@@ -56,6 +64,8 @@ def stats() -> dict:
     (GPU); these three come from the pass, so a cache hit adds nothing to them. Likewise
     summed_all_reduces_merged (AR(a) + AR(b) rewritten as AR(a + b): one collective fewer each)
     and sums_moved_before_all_reduce (sum(AR(x)) rewritten as AR(sum(x))).
+    moe_combines_fused counts the fused sites whose op also took in the MoE top-k combine in
+    front of the all-reduce (arfusion::moe_combine_allreduce_rmsnorm), counted like fused_sites.
     dispatch counts fused-op calls per backend, or "fallback" when a call ran unfused.
     pass_seconds is the time spent inside the pass (what it adds to compiles).
     """
@@ -68,6 +78,7 @@ def stats() -> dict:
             "why_not": dict(_why_not),
             "summed_all_reduces_merged": _collectives["summed_all_reduces_merged"],
             "sums_moved_before_all_reduce": _collectives["sums_moved_before_all_reduce"],
+            "moe_combines_fused": len(_moe_combines),
             "dispatch": dict(_dispatch),
             "graphs": _graphs,
             "pass_seconds": _pass_seconds,
@@ -79,6 +90,7 @@ def reset_stats() -> None:
     with _lock:
         _pass_seconds = 0.0
         _sites.clear()
+        _moe_combines.clear()
         _why_not.clear()
         _collectives.clear()
         _left.clear()

@@ -154,6 +154,23 @@ class Backend:
         """Compute the fused result; return tensors in `call.site.outputs()` order."""
         raise NotImplementedError
 
+    # MoE top-k combine + all-reduce + residual + RMSNorm (`arfusion::moe_combine_allreduce_rmsnorm`).
+    # A backend without such a kernel says why not; the op then combines in torch and runs the
+    # ordinary fused site (`run` above), and the pass leaves the combine to Inductor where the
+    # token count is known at compile time.
+
+    def moe_combine_why_not(self, call: Call, top_k: int, rows: int | None) -> str | None:
+        """None if this backend computes combine + site in one go for `call` (tokens None:
+        unknown until run time), else why not. Same-on-every-rank facts only."""
+        return f"backend {self.name} has no fused MoE-combine kernel"
+
+    def run_moe_combine(self, call: Call, rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor,
+                        top_k: int, scale_first: bool, residual: torch.Tensor | None, weight: torch.Tensor,
+                        eps: float, quant_scale: torch.Tensor | None) -> Sequence[torch.Tensor]:
+        """The fused result from the combine's inputs (see `reference.moe_combine`); outputs in
+        `call.site.outputs()` order, [T, H]."""
+        raise NotImplementedError
+
 
 def flatten_tokens(t: torch.Tensor) -> torch.Tensor:
     """2-D contiguous [tokens, hidden] view, as fused kernels want."""

@@ -4,6 +4,11 @@ Static and dynamic per-token FP8 are quantized inside FlashInfer's kernel, and s
 SM100+ only (dispatch.QUANT_MIN_SM); per-group FP8 runs the plain kernel and then one compiled
 quant kernel (see QUANT_KERNELS).
 
+A site whose all-reduce input is an MoE top-k combine (`arfusion::moe_combine_allreduce_rmsnorm`)
+runs `trtllm_moe_finalize_allreduce_fusion` on the same per-group workspace where the dispatch
+table's MOE_FINALIZE_MAX_TOKENS allows (decode sizes); elsewhere the op combines in torch and
+takes the ordinary path.
+
 Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`
 and `allreduce_fusion`, always with backend="trtllm". "auto" would pick "mnnvl" on NVSwitch
 machines, which uses NVLink multicast: not allowed on shared machines and not needed on one node.
@@ -313,6 +318,50 @@ class FlashInferBackend(Backend):
         elif site.quant == "fp8_group":
             produced.update(_group_quant(produced["norm"]))
         return [produced[name] for name in site.outputs()]
+
+    # ------------------------------------------------------------- MoE combine
+
+    def moe_combine_why_not(self, call: Call, top_k: int, rows: int | None) -> str | None:
+        """`trtllm_moe_finalize_allreduce_fusion` where the dispatch table says it pays (decode
+        sizes); `why_not(call)` has already accepted the site itself."""
+        if call.site.quant != "none":
+            return "the MoE finalize kernel is used for unquantized sites only"
+        if rows is not None and rows >= 2 ** 31:
+            return "more permuted rows than an int32 index addresses"
+        sm = device_facts(_device_index(call.device)).sm[0]
+        return dispatch.moe_finalize_problem(sm, call.world_size, call.tokens)
+
+    def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale):
+        """FlashInfer's MoE finalize: out[t] = sum_k scale[t, k] * rows[index[t, k]], all-reduced,
+        + residual, RMSNorm, in one kernel on the group's ordinary workspace (the one `prepare`
+        made for this call's size: per group, outside CUDA-graph pools, agreed by every rank).
+        index goes in as int32 [T, K]; the weights as [T, K] in the activation dtype (a per-row
+        scale is gathered to token order first)."""
+        finalize = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_moe_finalize_allreduce_fusion
+        state = self._groups[call.group_name]
+        tokens, hidden = call.tokens, call.hidden
+        flat_scale = scale.reshape(-1)
+        expert_scale = (flat_scale[index] if scale_first else flat_scale).reshape(tokens, top_k)
+        expanded_to_permuted = index.reshape(tokens, top_k).to(torch.int32).contiguous()
+        if residual is not None:
+            residual_in = flatten_tokens(residual)
+        elif call.dtype in state.zeros:
+            residual_in = state.zeros[call.dtype][: tokens * hidden].view(tokens, hidden)
+        else:  # first use of a residual-free site inside a capture: a memset in the graph
+            residual_in = torch.zeros(tokens, hidden, dtype=call.dtype, device=rows.device)
+        residual_out = torch.empty(tokens, hidden, dtype=call.dtype, device=rows.device)
+        norm_out = torch.empty_like(residual_out)
+        group = dist.distributed_c10d._resolve_process_group(call.group_name)
+        finalize(
+            allreduce_in=flatten_tokens(rows), residual_in=residual_in, norm_weight=weight.contiguous(),
+            expanded_idx_to_permuted_idx=expanded_to_permuted, norm_out=norm_out, residual_out=residual_out,
+            quant_out=None, scale_out=None, workspace_ptrs=state.workspace.workspace_tensor,
+            launch_with_pdl=self.launch_with_pdl, world_rank=group.rank(), world_size=group.size(),
+            eps=float(eps), shared_expert_output=None,
+            expert_scale_factor=expert_scale.to(call.dtype).contiguous(), routed_scaling_factor=None,
+            weight_bias=1.0 if call.site.norm == "gemma_rms" else None)
+        produced = {"residual": residual_out, "norm": norm_out}
+        return [produced[name] for name in call.site.outputs()]
 
     def workspace(self, group_name: str):
         """The live workspace of a group, or None (benchmarks use it to call FlashInfer directly)."""

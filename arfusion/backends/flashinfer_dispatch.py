@@ -88,6 +88,25 @@ def quant_problem(form: str, sm_major: int, cuda_version: str | None) -> str | N
     return None
 
 
+# MoE top-k combine fused into the site (`trtllm_moe_finalize_allreduce_fusion`): (SM major, world
+# size) -> largest token count (inclusive) it is used for; above it, or where no entry is, the op
+# combines in torch and runs the ordinary fused site. 2xH200, HF grouped-experts layout, K=8, vs
+# compiled combine + NCCL + compiled add+norm (FIELD_NOTES 8.2): hidden 2048 1.51/1.56/1.26/0.65/
+# 0.44x at T=1/8/32/64/128, hidden 4096 1.50/1.75/1.18x at T=1/8/32: decode sizes only. Other
+# worlds and GPUs are unmeasured (tests/gpu/check_moe_combine.py measures them).
+MOE_FINALIZE_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 2): 32}
+
+
+def moe_finalize_problem(sm_major: int, world_size: int, tokens: int | None) -> str | None:
+    """Why FlashInfer's MoE finalize kernel is not used for this call (tokens None: not known yet)."""
+    cap = MOE_FINALIZE_MAX_TOKENS.get((sm_major, world_size))
+    if cap is None:
+        return f"no MoE-finalize dispatch entry for SM {sm_major}x, world size {world_size}"
+    if tokens is not None and tokens > cap:
+        return f"{tokens} tokens > {cap} (MoE finalize pays at decode sizes only)"
+    return None
+
+
 SEED_TABLE: dict[tuple[int, int, torch.dtype], Limits] = {
     (sm, ws, dtype): Limits(int(cap * MiB), int(one * MiB), f"seed table SM{sm}x world {ws}")
     for (sm, ws), (cap, one) in _SEED_16BIT.items() for dtype in HALF_DTYPES
@@ -162,4 +181,5 @@ def table_hash() -> str:
     seed = repr(sorted((k[0], k[1], str(k[2]), v.max_fused_bytes, v.oneshot_max_bytes)
                        for k, v in SEED_TABLE.items()))
     seed += repr(sorted(GROUP_QUANT_MAX_MIB.items())) + repr(sorted(QUANT_MIN_SM.items()))
+    seed += repr(sorted(MOE_FINALIZE_MAX_TOKENS.items()))
     return hashlib.sha256(f"{seed}|{cache_hash()}".encode()).hexdigest()[:16]

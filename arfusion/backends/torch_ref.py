@@ -22,3 +22,10 @@ class TorchBackend(Backend):
 
     def run(self, call, x, residual, weight, eps, quant_scale):
         return reference.unfused(x, residual, weight, eps, call.group_name, call.site, quant_scale)
+
+    def moe_combine_why_not(self, call, top_k, rows):
+        return None  # the reference computes anything: the combine exactly as the graph spelled it
+
+    def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale):
+        combined = reference.moe_combine(rows, scale, index, top_k, scale_first)
+        return self.run(call, combined, residual, weight, eps, quant_scale)

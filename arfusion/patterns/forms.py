@@ -42,6 +42,13 @@ EPS_TENSOR_PROBES = (1e-5, 3e-3)  # values tried for an eps that is a graph inpu
 # largest probe values saturate FP8 (so a clamp to another range shows).
 QUANT_SCALE_PROBE = 0.004
 
+# MoE top-k combine in front of the all-reduce (`moe_combine`): probed on this many tokens, with
+# the graph's own K and hidden size. Exact mathematics to MATH_RTOL; with the graph's dtypes the
+# op's combine (`reference.moe_combine`) must give the same bits (0 ulp): it replays the spelling.
+MOE_PROBE_TOKENS = 4
+MOE_COMBINE_ULPS = 0
+MOE_PROBE_SEED = PROBE_SEED + 13
+
 # weight kind -> the norm forms of the fused op with that kind, closest spelling first.
 NORM_FORMS_BY_WEIGHT = {
     "plain": ("rms", "rms_fp32_weight"),

@@ -18,10 +18,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..backends.base import Site as OpSite
 from .classify import Site
+from .moe_combine import Combine
 from .region import value
 
 aten = torch.ops.aten
 FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
+MOE_OP = torch.ops.arfusion.moe_combine_allreduce_rmsnorm.default
 
 
 class Builder:
@@ -75,16 +77,21 @@ def op_site(site: Site) -> OpSite:
     return OpSite(residual=bool(site.residuals), norm=site.norm, quant=site.quant, emit_norm=site.emit_norm)
 
 
-def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, site_key: str) -> bool:
-    """Replace `site` by the fused op; False (graph unchanged) if a shape cannot be expressed."""
+def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, site_key: str,
+            combine: Combine | None = None) -> bool:
+    """Replace `site` by the fused op; False (graph unchanged) if a shape cannot be expressed.
+    With `combine` (the MoE top-k combine producing the all-reduce input, `moe_combine.find`)
+    the MoE op takes its rows, weights and index instead, and the combine's nodes go too."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min((n for n, _ in site.exits), key=order.__getitem__)
     build = Builder(graph, anchor)
     region = site.region
     norm_out = site.norm_out
     sources = [region.x, *site.residuals, norm_out]
-    x = build.reshape(region.x, norm_out, sources)
-    terms = [build.reshape(r, norm_out, sources) for r in site.residuals]
+    # The MoE op works on the combine's [T, H]; the plain op on the norm's shape.
+    like = region.x if combine is not None else norm_out
+    x = build.reshape(region.x, norm_out, sources) if combine is None else region.x
+    terms = [build.reshape(r, like, sources) for r in site.residuals]
     if x is None or None in terms:
         _undo(graph, build)
         return False
@@ -95,9 +102,13 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     if scale is not None and site.scale_inverted:
         scale = build.call(aten.reciprocal.default, scale)
     literal_eps = site.eps_input is None
-    fused = build.call(FUSED_OP, x, residual, site.weight, site.eps, None if literal_eps else site.eps_input,
-                       region.group_name, site.norm, site.quant, scale, site.emit_norm, backend, max_bytes,
-                       site_key)
+    tail = (residual, site.weight, site.eps, None if literal_eps else site.eps_input, region.group_name,
+            site.norm, site.quant, scale, site.emit_norm, backend, max_bytes, site_key)
+    if combine is None:
+        fused = build.call(FUSED_OP, x, *tail)
+    else:
+        fused = build.call(MOE_OP, combine.rows, combine.scale, combine.index, combine.top_k,
+                           combine.scale_first, *tail)
     outputs = op_site(site).outputs()
     produced = {name: build.call(operator.getitem, fused, i) for i, name in enumerate(outputs)}
     if "scale" in produced:
@@ -115,7 +126,8 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
         if not node.users and node is not fused:
             graph.erase_node(node)
     # The site is dead now; DCE would keep wait_tensor (FX counts it as a side effect).
-    for node in sorted(site.nodes | {region.all_reduce}, key=order.__getitem__, reverse=True):
+    dead = site.nodes | {region.all_reduce} | set(combine.nodes if combine is not None else ())
+    for node in sorted(dead, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
     inputs = [n for n in (*site.residuals, site.weight, site.eps_input, site.quant_scale) if n is not None]

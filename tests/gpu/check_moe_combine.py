@@ -1,0 +1,227 @@
+"""GPU check of the MoE combine fused into the site (FlashInfer's MoE finalize), under torchrun.
+
+    torchrun --nproc-per-node 2 tests/gpu/check_moe_combine.py --out /tmp/moe_combine
+
+For K = 8, T in 1, 8, 32, 64 and hidden 2048 / 4096 (bf16, HF grouped-experts layout: rows in
+expert-sorted order, index = inverse permutation, one weight per permuted row):
+
+1. correctness: `arfusion::moe_combine_allreduce_rmsnorm` (dispatch table as shipped, and with
+   the MoE finalize kernel forced at every T) against the unfused reference (combine in fp32-
+   accurate torch + NCCL all-reduce + add + RMSNorm in the model's dtype): max relative error of
+   the residual sum and the norm output, eagerly and replayed from a CUDA graph on fresh data;
+2. speed, CUDA-graph replays, median over samples (each sample = REPLAYS graph launches):
+   - unfused: one torch.compile'd function: combine + all-reduce (NCCL) + add + RMSNorm;
+   - site_only: compiled combine, then arfusion's plain fused op (FlashInfer allreduce_fusion);
+   - moe_op: the MoE op as dispatched by the table (kernel up to the table's T, else site_only's path);
+   - moe_kernel: the MoE op with the finalize kernel forced at every T.
+Writes <out>/moe_combine_rank<r>.json (rank 0 also prints a table). Never uses FlashInfer's
+"auto"/"mnnvl" backends (the backend asks for "trtllm" only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import arfusion  # noqa: F401  (registers the ops)
+from arfusion import reference
+from arfusion.backends import flashinfer_dispatch as dispatch
+from arfusion.backends import get_backend
+from arfusion.backends.base import Site
+
+K = 8
+TOKENS = (1, 8, 32, 64)
+HIDDENS = (2048, 4096)
+EPS = 1e-6
+DTYPE = torch.bfloat16
+TOL = 2e-2
+SAMPLES, REPLAYS = 25, 20
+SITE = Site(residual=True, norm="rms")
+
+
+def make_inputs(tokens, hidden, device, rank, seed=0):
+    """Same routing and weights on every rank (TP replicates the router), rows differ per rank."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    perm = torch.randperm(tokens * K, generator=g)
+    index = torch.empty_like(perm)
+    index[perm] = torch.arange(perm.numel())
+    scale = torch.rand(tokens * K, 1, generator=g).to(DTYPE)
+    residual = torch.randn(tokens, hidden, generator=g).to(DTYPE)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DTYPE)
+    g_rank = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank + 1)
+    rows = torch.randn(tokens * K, hidden, generator=g_rank).to(DTYPE)
+    return [t.to(device) for t in (rows, scale, index, residual, weight)]
+
+
+def moe_op(rows, scale, index, residual, weight, group_name):
+    return torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
+        rows, scale, index, K, True, residual, weight, EPS, None, group_name, "rms", "none", None, True,
+        "flashinfer", -1)
+
+
+def make_site_only(group_name):
+    combine = torch.compile(reference.moe_combine)
+
+    def site_only(rows, scale, index, residual, weight):
+        combined = combine(rows, scale, index, K, True)
+        return torch.ops.arfusion.fused_allreduce_rmsnorm(
+            combined, residual, weight, EPS, None, group_name, "rms", "none", None, True, "flashinfer", -1)
+
+    return site_only
+
+
+def make_unfused(group_name):
+    @torch.compile
+    def unfused(rows, scale, index, residual, weight):
+        combined = reference.moe_combine(rows, scale, index, K, True)
+        reduced = funcol.wait_tensor(funcol.all_reduce(combined, "sum", group_name))
+        h = residual + reduced
+        hf = h.float()
+        normed = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
+        return h, normed
+
+    return unfused
+
+
+def exact(rows, scale, index, residual, weight, group_name):
+    """Reference outputs: the combine in fp32, all-reduced in fp32, then the model's roundings."""
+    combined = ((rows.float() * scale.float())[index]).view(-1, K, rows.shape[-1]).sum(1)
+    dist.all_reduce(combined, group=dist.distributed_c10d._resolve_process_group(group_name))
+    h = (residual.float() + combined).to(DTYPE)
+    return h, reference.rms_norm(h, weight, EPS, "rms")
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def graph_of(fn, args):
+    """A CUDA graph of fn(*static args) (warmed up on a side stream first), and its outputs."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn(*args)
+    return graph, outs
+
+
+def time_graph(graph, group):
+    samples = []
+    for _ in range(SAMPLES):
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(REPLAYS):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1000 / REPLAYS)  # us per call
+    return statistics.median(samples)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    group_name = group.group_name
+    device = torch.device("cuda", local)
+    backend = get_backend("flashinfer")
+    assert not isinstance(backend, str), backend
+    kernel_calls = [0]
+    real_run = backend.run_moe_combine
+
+    def counting_run(*a, **kw):
+        kernel_calls[0] += 1
+        return real_run(*a, **kw)
+
+    backend.run_moe_combine = counting_run
+    sm = torch.cuda.get_device_capability(device)[0]
+    table_cap = dispatch.MOE_FINALIZE_MAX_TOKENS.get((sm, world))
+    results = {"device": torch.cuda.get_device_name(device), "world": world, "K": K, "table_cap": table_cap,
+               "samples": SAMPLES, "replays_per_sample": REPLAYS, "cases": []}
+    site_only, unfused = make_site_only(group_name), make_unfused(group_name)
+    failures = []
+    for hidden in HIDDENS:
+        for tokens in TOKENS:
+            case = {"hidden": hidden, "tokens": tokens}
+            inputs = make_inputs(tokens, hidden, device, rank)
+            want = exact(*inputs, group_name)
+            variants = {"unfused": unfused, "site_only": site_only,
+                        "moe_op": lambda *a: moe_op(*a, group_name)}
+            for forced in (False, True):
+                name = "moe_kernel" if forced else "moe_op"
+                saved = dict(dispatch.MOE_FINALIZE_MAX_TOKENS)
+                if forced:
+                    dispatch.MOE_FINALIZE_MAX_TOKENS[(sm, world)] = 1 << 20
+                try:
+                    kernel_calls[0] = 0
+                    got = moe_op(*inputs, group_name)  # eager: creates the workspace outside any capture
+                    torch.cuda.synchronize()
+                    case[f"{name}_ran_kernel"] = kernel_calls[0] > 0
+                    errs = {"residual": rel(got[0], want[0]), "norm": rel(got[1], want[1])}
+                    graph, outs = graph_of(lambda *a: moe_op(*a, group_name), inputs)
+                    fresh = make_inputs(tokens, hidden, device, rank, seed=1)
+                    for static, new in zip(inputs, fresh):
+                        static.copy_(new)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    want_fresh = exact(*inputs, group_name)
+                    errs.update(graph_residual=rel(outs[0], want_fresh[0]), graph_norm=rel(outs[1], want_fresh[1]))
+                    case[f"{name}_rel_err"] = errs
+                    if max(errs.values()) > TOL:
+                        failures.append(f"{name} H={hidden} T={tokens}: {errs}")
+                    case[f"{name}_us"] = time_graph(graph, group)
+                    del graph
+                finally:
+                    dispatch.MOE_FINALIZE_MAX_TOKENS.clear()
+                    dispatch.MOE_FINALIZE_MAX_TOKENS.update(saved)
+                inputs = make_inputs(tokens, hidden, device, rank)
+            for name in ("unfused", "site_only"):
+                fn = variants[name]
+                got = fn(*inputs)
+                torch.cuda.synchronize()
+                case[f"{name}_rel_err"] = {"residual": rel(got[0], want[0]), "norm": rel(got[1], want[1])}
+                graph, _ = graph_of(fn, inputs)
+                case[f"{name}_us"] = time_graph(graph, group)
+                del graph
+            for name in ("site_only", "moe_op", "moe_kernel"):
+                case[f"speedup_{name}_vs_unfused"] = case["unfused_us"] / case[f"{name}_us"]
+            results["cases"].append(case)
+            if rank == 0:
+                print(f"H={hidden:5d} T={tokens:3d}: unfused {case['unfused_us']:7.1f} us, site_only "
+                      f"{case['site_only_us']:7.1f}, moe_op {case['moe_op_us']:7.1f} (kernel: "
+                      f"{case['moe_op_ran_kernel']}), moe_kernel {case['moe_kernel_us']:7.1f} -> "
+                      f"{case['speedup_moe_kernel_vs_unfused']:.2f}x; err {case['moe_kernel_rel_err']}", flush=True)
+    results["failures"] = failures
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"moe_combine_rank{rank}.json").write_text(json.dumps(results, indent=1))
+    if rank == 0:
+        print("FAILURES:" if failures else "all within tolerance", *failures, sep="\n")
+    backend.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    raise SystemExit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""The MoE top-k combine in front of a site's all-reduce, fused into the site's op.
+
+HF's grouped experts end with `(rows * w_g)[inv_perm].view(T, K, H).sum(1)`, and that is what is
+all-reduced: `arfusion::moe_combine_allreduce_rmsnorm` takes the permuted rows, the weights and
+the index and does combine + all-reduce + residual + RMSNorm (FlashInfer's MoE finalize kernel on
+GPUs at decode sizes; here the torch reference, which replays the graph's combine bit for bit).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import arfusion
+from arfusion.fusion_pass import ArFusionPass, ChainedPass
+from arfusion.graph_utils import ALL_REDUCE
+
+from .test_match_by_meaning import NORMS
+from .test_numerics_gloo import assert_close, run_workers
+
+H, E, K, T = 128, 4, 2, 6
+FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
+MOE_OP = torch.ops.arfusion.moe_combine_allreduce_rmsnorm.default
+
+
+class GroupedExperts(nn.Module):
+    """A router, one linear per expert run on expert-sorted rows (HF `grouped_mm` layout), the
+    top-k combine spelled as `variant` says, the all-reduce, the residual add and Llama's norm."""
+
+    def __init__(self, variant="hf", dtype=torch.bfloat16):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False, dtype=dtype)
+        self.experts = nn.Parameter(0.1 * torch.randn(E, H, H, dtype=dtype))
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(H, dtype=dtype))
+        self.variant = variant
+
+    def forward(self, x, residual):
+        flat = x.reshape(-1, H)
+        tokens = flat.shape[0]
+        probs = torch.softmax(self.router(flat).float(), -1)
+        top_w, top_i = torch.topk(probs, K, dim=-1)
+        top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+        ids, weights = top_i.reshape(-1), top_w.reshape(-1)
+        ids_g, perm = torch.sort(ids)
+        rows = torch.bmm(flat[perm // K].unsqueeze(1), self.experts[ids_g]).squeeze(1)  # [R, H]
+        inv_perm = torch.empty_like(perm)
+        inv_perm[perm] = torch.arange(perm.shape[0])
+        extra = ()
+        v = self.variant
+        if v in ("hf", "weights_first", "gathered_read_elsewhere"):
+            w_g = weights[perm].unsqueeze(-1)
+            weighted = w_g * rows if v == "weights_first" else rows * w_g
+            gathered = weighted[inv_perm]
+            out = gathered.view(tokens, K, H).sum(1)
+            if v == "gathered_read_elsewhere":
+                extra = (gathered * 2,)
+        elif v == "gather_then_scale":
+            out = (rows[inv_perm] * weights.unsqueeze(-1)).view(tokens, K, H).sum(1)
+        elif v == "sum_over_other_dim":  # (k, token) order: a different combine
+            out = (rows * weights[perm].unsqueeze(-1))[inv_perm].view(K, tokens, H).sum(0)
+        elif v == "weights_after_sum":
+            out = rows[inv_perm].view(tokens, K, H).sum(1) * top_w.sum(-1, keepdim=True)
+        else:
+            raise ValueError(v)
+        dist.all_reduce(out)
+        h = residual + out.view(x.shape)
+        return (NORMS["hf_llama"][0](h, self.weight, 1e-6), h, *extra)
+
+
+def compile_run(module, inputs, fuse_moe_combine=True, dynamic=False, backend="torch"):
+    """(compiled outputs, eager outputs, stats, {"moe": n, "plain": n, "left": n})."""
+    seen = {}
+
+    def inspect(graph):
+        seen.update(moe=sum(1 for n in graph.nodes if n.target is MOE_OP),
+                    plain=sum(1 for n in graph.nodes if n.target is FUSED_OP),
+                    left=sum(1 for n in graph.nodes if n.target is ALL_REDUCE))
+
+    config = arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend, fuse_moe_combine=fuse_moe_combine)
+    arfusion.reset_stats()
+    torch._dynamo.reset()
+    options = {"post_grad_custom_post_pass": ChainedPass([ArFusionPass(config), inspect])}
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        expected = module(*inputs)
+        actual = torch.compile(module, options=options, dynamic=dynamic)(*inputs)
+    return actual, expected, arfusion.stats(), seen
+
+
+def _inputs(dtype=torch.bfloat16):
+    return torch.randn(1, T, H, dtype=dtype), torch.randn(1, T, H, dtype=dtype)
+
+
+# ------------------------------------------------------------------ graphs (fake group)
+
+
+@pytest.mark.parametrize("variant", ["hf", "weights_first", "gather_then_scale"])
+def test_combine_is_fused_into_the_site(fake_pg, variant, caplog):
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        _, _, stats, seen = compile_run(GroupedExperts(variant), _inputs())
+    assert seen == {"moe": 1, "plain": 0, "left": 0}, seen
+    assert stats["fused_sites"] == 1 and stats["moe_combines_fused"] == 1
+    assert "MoE top-k combine (K=2) fused" in caplog.text
+
+
+@pytest.mark.parametrize("variant, why", [
+    ("gathered_read_elsewhere", "read only by"),
+    ("sum_over_other_dim", "not over dim 1"),
+    ("weights_after_sum", "not a sum"),
+])
+def test_lookalikes_fuse_the_site_alone(fake_pg, variant, why, caplog):
+    torch.manual_seed(0)
+    with caplog.at_level(logging.DEBUG, logger="arfusion"):
+        _, _, stats, seen = compile_run(GroupedExperts(variant), _inputs())
+    assert seen == {"moe": 0, "plain": 1, "left": 0}, seen
+    assert stats["fused_sites"] == 1 and stats["moe_combines_fused"] == 0
+    assert "no MoE top-k combine fused" in caplog.text and why in caplog.text, caplog.text
+
+
+def test_switched_off(fake_pg):
+    torch.manual_seed(0)
+    _, _, stats, seen = compile_run(GroupedExperts(), _inputs(), fuse_moe_combine=False)
+    assert seen == {"moe": 0, "plain": 1, "left": 0} and stats["moe_combines_fused"] == 0
+
+
+def test_dynamic_token_count(fake_pg):
+    torch.manual_seed(0)
+    _, _, stats, seen = compile_run(GroupedExperts(), _inputs(), dynamic=True)
+    assert seen["moe"] == 1 and stats["moe_combines_fused"] == 1
+
+
+# ------------------------------------------------------------------ real ranks (gloo)
+
+
+def _numerics(rank, dynamic):
+    torch.manual_seed(0)  # same weights on every rank
+    variants = ("hf",) if dynamic else ("hf", "weights_first", "gather_then_scale")  # time: dynamic once
+    models = [GroupedExperts(v) for v in variants]
+    torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
+    inputs = _inputs()
+    # Inductor keeps the fused weight product in fp32 unless told to round like eager (without
+    # it the unfused graph differs from eager by up to 1 bf16 ulp of the combine, 0.02 here); the
+    # op replays the combine as eager does, so the bitwise comparison asks Inductor to round alike.
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        for model in models:
+            actual, expected, stats, seen = compile_run(model, inputs, dynamic=dynamic)
+            assert seen["moe"] == 1 and stats["moe_combines_fused"] == 1, (model.variant, seen, stats)
+            assert stats["dispatch"] == {"torch": 1}, stats
+            for a, e in zip(actual, expected):
+                assert_close(a, e, torch.bfloat16, model.variant)
+            without, _, stats_without, seen_without = compile_run(model, inputs, fuse_moe_combine=False,
+                                                                  dynamic=dynamic)
+            assert seen_without["moe"] == 0 and seen_without["plain"] == 1
+            for a, b in zip(actual, without):
+                assert torch.equal(a, b), (model.variant, (a.float() - b.float()).abs().max().item())
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fused_combine_matches_eager_and_the_pass_without_it(dynamic):
+    run_workers(_numerics, 2, dynamic)
+
+
+# ------------------------------------------------------------------ a real HF MoE model
+
+
+def _hf_model(rank, model_type):
+    import importlib.util
+    from pathlib import Path
+
+    from arfusion.hf import tp_kwargs
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    spec = importlib.util.spec_from_file_location(
+        "compile_hf_model", Path(__file__).resolve().parents[1] / "examples" / "compile_hf_model.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")  # HF's TP reads these
+    hf_logging.set_verbosity_error()
+    config = example.tiny_config(model_type, 2, 256, 2)
+    config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok = 16, 128, 4  # smaller, faster
+    path = example.save_random_model(config, torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **tp_kwargs("auto")).eval()
+    torch.manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    arfusion.reset_stats()
+    arfusion.enable(arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch"))  # as the example does
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        ref = model(input_ids=ids, use_cache=False).logits.float()
+        got = torch.compile(model)(input_ids=ids, use_cache=False).logits.float()
+    arfusion.disable()
+    stats = arfusion.stats()
+    # Every site fuses (embedding + 2 per layer), and each layer's MoE block takes its combine in.
+    assert stats["fused_sites"] == 5 and stats["unfused_sites"] == 0, stats
+    assert stats["moe_combines_fused"] == 2, stats
+    rel = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 2e-2, rel
+    if rank == 0:
+        print(f"{model_type}: {stats['by_pattern']}, moe_combines_fused {stats['moe_combines_fused']}, "
+              f"logits rel diff {rel:.2e}")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe"])
+def test_real_hf_moe_model_fuses_every_site_and_its_combines(model_type):
+    run_workers(_hf_model, 2, model_type)
+
+
+# ------------------------------------------------------------------ FlashInfer path (stand-in, CPU)
+
+
+def test_flashinfer_dispatch_entry_is_decode_only(monkeypatch, tmp_path):
+    from arfusion.backends import flashinfer as fi
+    from arfusion.backends import flashinfer_dispatch as dispatch
+    from arfusion.backends.base import Call, Site
+
+    from .test_flashinfer_backend import H200, install_fake_flashinfer, remove_fake_flashinfer
+
+    monkeypatch.setenv(dispatch.CACHE_ENV, str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(fi, "device_facts", lambda index: H200)
+    install_fake_flashinfer()
+    try:
+        backend = fi.FlashInferBackend()
+        cap = dispatch.MOE_FINALIZE_MAX_TOKENS[(9, 2)]
+
+        def call(tokens, world=2, quant="none"):
+            site = Site(residual=True, norm="rms", quant=quant, emit_norm=quant == "none")
+            return Call(site=site, tokens=tokens, hidden=4096, dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+                        world_size=world, device=torch.device("cuda", 0), group_name="tp")
+
+        assert backend.moe_combine_why_not(call(cap), 8, cap * 8) is None
+        assert backend.moe_combine_why_not(call(None), 8, None) is None  # left to run time
+        assert "tokens >" in backend.moe_combine_why_not(call(cap + 1), 8, None)
+        assert "no MoE-finalize dispatch entry" in backend.moe_combine_why_not(call(1, world=4), 8, None)
+        assert "unquantized" in backend.moe_combine_why_not(call(1, quant="fp8_dynamic"), 8, None)
+        from arfusion.backends.base import Backend
+
+        assert "no fused MoE-combine kernel" in Backend(name="aiter").moe_combine_why_not(call(1), 8, None)
+    finally:
+        remove_fake_flashinfer()
+        fi._environment_problem.cache_clear()
+
+
+def _flashinfer_worker(rank):
+    from dataclasses import replace
+
+    from arfusion import reference
+    from arfusion.backends import flashinfer as fi
+    from arfusion.backends import get_backend
+    from arfusion.backends.base import Site
+
+    from . import test_flashinfer_backend as tfb
+
+    calls = tfb.install_fake_flashinfer()
+    finalize_calls = []
+    tfb.FakeWorkspace.workspace_tensor = property(lambda self: ("workspace of", self.max_token_num))
+
+    def trtllm_moe_finalize_allreduce_fusion(*, allreduce_in, residual_in, norm_weight, expanded_idx_to_permuted_idx,
+                                             norm_out, residual_out, quant_out, scale_out, workspace_ptrs,
+                                             launch_with_pdl, world_rank, world_size, eps, shared_expert_output,
+                                             expert_scale_factor, routed_scaling_factor, weight_bias=None):
+        idx, s = expanded_idx_to_permuted_idx, expert_scale_factor
+        finalize_calls.append(dict(idx_dtype=idx.dtype, idx_shape=tuple(idx.shape), scale_dtype=s.dtype,
+                                   scale_shape=tuple(s.shape), rows_shape=tuple(allreduce_in.shape),
+                                   workspace=workspace_ptrs, rank=world_rank, world=world_size,
+                                   shared=shared_expert_output, routed=routed_scaling_factor, bias=weight_bias,
+                                   quant=(quant_out, scale_out), eps=eps))
+        assert idx.dtype == torch.int32 and s.dtype == allreduce_in.dtype and idx.is_contiguous()
+        combined = (allreduce_in[idx.long()].float() * s.float().unsqueeze(-1)).sum(1)  # [T, H]
+        dist.all_reduce(combined)
+        h = (combined + residual_in.float()).to(allreduce_in.dtype)
+        residual_out.copy_(h)
+        norm_out.copy_((reference.rms_normalize(h, eps) * norm_weight.float()).to(h.dtype))
+
+    sys_trtllm = __import__("sys").modules["flashinfer.comm.trtllm_ar"]
+    sys_trtllm.trtllm_moe_finalize_allreduce_fusion = trtllm_moe_finalize_allreduce_fusion
+    fi.device_facts = lambda index: replace(tfb.H200, uuid=f"GPU-fake-{rank}")
+    fi._device_index = lambda device: 0
+    backend = get_backend("flashinfer")
+    backend.capabilities = replace(backend.capabilities, device_types=frozenset({"cpu"}))
+    backend.unavailable = lambda device: None
+    group = dist.group.WORLD.group_name
+    site = Site(residual=True, norm="rms")
+    try:
+        for tokens, scale_first, fused in ((1, True, True), (8, False, True), (32, True, True), (33, True, False)):
+            finalize_calls.clear()
+            calls["fusion"].clear()
+            torch.manual_seed(100 + rank + tokens)
+            rows = torch.randn(tokens * 8, 256, dtype=torch.bfloat16)
+            index = torch.randperm(tokens * 8)
+            scale = torch.rand(tokens * 8, 1, dtype=torch.bfloat16)
+            residual = torch.randn(tokens, 256, dtype=torch.bfloat16)
+            torch.manual_seed(0)
+            weight = (1 + 0.1 * torch.randn(256)).to(torch.bfloat16)
+            got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
+                rows, scale, index, 8, scale_first, residual, weight, 1e-6, None, group, "rms", "none", None, True,
+                "flashinfer", -1)
+            want = reference.unfused(reference.moe_combine(rows, scale, index, 8, scale_first), residual, weight,
+                                     1e-6, group, site)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape == (tokens, 256)
+                assert torch.allclose(g.float(), w.float(), atol=0.05, rtol=0.02), (tokens, (g - w).abs().max())
+            if fused:  # the MoE kernel, with int32 [T, K] index and [T, K] weights in bf16
+                assert len(finalize_calls) == 1 and not calls["fusion"], (tokens, calls["fusion"])
+                c = finalize_calls[0]
+                assert c["idx_shape"] == c["scale_shape"] == (tokens, 8) and c["rows_shape"] == (tokens * 8, 256)
+                assert (c["rank"], c["world"], c["shared"], c["routed"], c["bias"], c["quant"]) == \
+                    (rank, 2, None, None, None, (None, None))
+                assert c["workspace"][0] == "workspace of"  # the group's ordinary workspace
+            else:  # above the entry: combine in torch, then FlashInfer's plain fused kernel
+                assert not finalize_calls and len(calls["fusion"]) == 1 and calls["fusion"][0]["tokens"] == tokens
+        assert len(calls["create"]) == 1  # one workspace for the group, shared by both kernels
+    finally:
+        backend.close()
+        tfb.remove_fake_flashinfer()
+
+
+def test_flashinfer_moe_finalize_arguments_and_fallback():
+    run_workers(_flashinfer_worker, 2)
