@@ -14,6 +14,11 @@ log = logging.getLogger("arfusion")
 BACKEND_CHOICES = ("auto", "flashinfer", "aiter", "torch")
 QUANT_FORMS = ("fp8_static", "fp8_dynamic", "fp8_group", "nvfp4")
 DISABLE_ENV = "ARFUSION_DISABLE"
+# Quantized all-reduce levels (payload format; arfusion/quantized_comm.py) and the env switch
+# that picks one where the config names none.
+QUANTIZED_LEVELS = ("fp8", "int8", "int6", "int4")
+QUANTIZED_ENV = "ARFUSION_QUANTIZED_ALLREDUCE"
+_OFF = ("", "0", "false", "no", "off", "none")
 
 # vLLM pass_config keys that mean nothing to arfusion; accepted so a vLLM config loads as is.
 _VLLM_KEYS_IGNORED = frozenset({
@@ -31,7 +36,15 @@ _ALIASES = {
 
 
 def env_disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in _OFF
+
+
+def _per_world_mb(name: str, value: Mapping) -> dict[int, float]:
+    table = {int(k): float(v) for k, v in dict(value).items()}
+    for ws, mb in table.items():
+        if ws < 1 or mb < 0:
+            raise ValueError(f"arfusion: {name} needs world size >= 1 and MiB >= 0, got {ws}: {mb}")
+    return table
 
 
 @dataclass
@@ -47,6 +60,13 @@ class PassConfig:
     fuse_moe_combine: a site whose all-reduce input is an MoE top-k combine (HF grouped experts:
         `(rows * w)[inv_perm].view(T, K, H).sum(1)`) takes the combine into its op too
         (`arfusion::moe_combine_allreduce_rmsnorm`; FlashInfer's MoE finalize kernel at decode sizes).
+    quantized_allreduce: None (exact, the default) or a payload format of QUANTIZED_LEVELS. Lossy
+        and opt-in: a site whose per-rank message is at or above the backend's measured
+        crossover runs a quantized all-reduce, then the compiled add+RMSNorm (+quant); below
+        it, the exact path. Where unset, the ARFUSION_QUANTIZED_ALLREDUCE environment variable
+        may name a level. Check what it costs on your model: benchmarks/eval_accuracy.py.
+    quantized_allreduce_min_mb: per world size, the per-rank MiB (inclusive) from which the
+        quantized all-reduce is used, overriding the backend's crossover (0: every site).
     """
 
     enable_allreduce_fusion: bool = False
@@ -56,14 +76,24 @@ class PassConfig:
     quant_forms: tuple[str, ...] = QUANT_FORMS
     unfused_on_current_stream: bool = True
     fuse_moe_combine: bool = True
+    quantized_allreduce: str | None = None
+    quantized_allreduce_min_mb: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
             raise ValueError(f"arfusion: backend must be one of {BACKEND_CHOICES}, got {self.backend!r}")
-        self.max_size_mb = {int(k): float(v) for k, v in dict(self.max_size_mb).items()}
-        for ws, mb in self.max_size_mb.items():
-            if ws < 1 or mb < 0:
-                raise ValueError(f"arfusion: max_size_mb needs world size >= 1 and MiB >= 0, got {ws}: {mb}")
+        self.max_size_mb = _per_world_mb("max_size_mb", self.max_size_mb)
+        self.quantized_allreduce_min_mb = _per_world_mb("quantized_allreduce_min_mb",
+                                                        self.quantized_allreduce_min_mb)
+        level = self.quantized_allreduce
+        if level is None and os.environ.get(QUANTIZED_ENV, "").strip():
+            level = os.environ[QUANTIZED_ENV]
+            log.info("arfusion: quantized all-reduce %r from %s", level, QUANTIZED_ENV)
+        named = None if level is None or str(level).strip().lower() in _OFF else str(level).strip().lower()
+        if named is not None and named not in QUANTIZED_LEVELS:
+            raise ValueError(f"arfusion: quantized_allreduce must be None or one of {QUANTIZED_LEVELS}, "
+                             f"got {level!r}")
+        self.quantized_allreduce = named
         self.quant_forms = tuple(self.quant_forms)
         unknown = set(self.quant_forms) - set(QUANT_FORMS)
         if unknown:
@@ -92,6 +122,11 @@ class PassConfig:
         """The user's cap for this world size in bytes, or None to use the backend's table."""
         mb = self.max_size_mb.get(world_size)
         return None if mb is None else int(mb * 1024 * 1024)
+
+    def quantized_min_bytes(self, world_size: int) -> int | None:
+        """The user's quantized all-reduce threshold in bytes, or None for the backend's crossover."""
+        mb = self.quantized_allreduce_min_mb.get(world_size)
+        return None if mb is None else round(mb * 1024 * 1024)
 
     def fused_quant_forms(self) -> tuple[str, ...]:
         return self.quant_forms if self.enable_quant_fusion else ()

@@ -125,7 +125,8 @@ class ArFusionPass(CustomGraphPass):
         reason = ""
         combine = self._moe_combine(site, all_reduce)
         for variant in (site, site.without_quant()) if site.quant != "none" else (site,):
-            reason = self._backend_refuses(variant)
+            quantized = self._quantized(variant)
+            reason = self._backend_refuses(variant, quantized=quantized)
             if reason:
                 continue
             name = patterns.op_site(variant).name
@@ -138,7 +139,7 @@ class ArFusionPass(CustomGraphPass):
                              all_reduce.name, refused)
                     take = None
             if patterns.rewrite(graph, variant, self.config.backend, -1 if cap is None else cap, site_key,
-                                combine=take):
+                                combine=take, quantized=quantized):
                 stats.record_site(site_key, name)
                 if take is not None:
                     stats.record_moe_combine(site_key)
@@ -160,12 +161,23 @@ class ArFusionPass(CustomGraphPass):
             return None
         return found
 
-    def _backend_refuses(self, site: patterns.Site, combine: patterns.Combine | None = None) -> str:
-        """Compile-time gate: fuse only what the backend accepts for these (static) shapes. A site
-        declined here stays as Inductor compiles it (its own fused norm kernel), which beats a
-        run-time fallback inside the fused op. With `combine`: whether the backend also takes
-        the MoE combine (where it has no kernel for these shapes, Inductor's compiled combine
-        beats the op's run-time fallback)."""
+    def _quantized(self, site: patterns.Site) -> tuple[str, int]:
+        """The op's (level, min bytes) of the quantized all-reduce: ("", -1) where it is off or
+        cannot apply to this site at these (static) shapes."""
+        level = self.config.quantized_allreduce
+        if not level:
+            return "", -1
+        call, backend, reason = self._call(site)
+        if backend is not None:
+            reason = backend.quantized_why_not(call, level, self.config.quantized_min_bytes(call.world_size))
+        if reason:
+            log.info("arfusion: %s: exact all-reduce, not %s: %s", site.region.all_reduce.name, level, reason)
+            return "", -1
+        floor = self.config.quantized_min_bytes(call.world_size)
+        return level, -1 if floor is None else floor
+
+    def _call(self, site: patterns.Site):
+        """(the site's Call at compile time, its backend or None, why there is none)."""
         normed = site.norm_out.meta["val"]
         weight = site.weight.meta["val"] if site.weight is not None else normed
         tokens = num_tokens(normed.shape)
@@ -174,8 +186,23 @@ class ArFusionPass(CustomGraphPass):
                     hidden=int(normed.shape[-1]), dtype=normed.dtype, weight_dtype=weight.dtype,
                     world_size=group_size(group_name), device=normed.device, group_name=group_name)
         backend, reason = backends.resolve(self.config.backend, normed.device)
+        return call, backend, reason
+
+    def _backend_refuses(self, site: patterns.Site, combine: patterns.Combine | None = None,
+                         quantized: tuple[str, int] = ("", -1)) -> str:
+        """Compile-time gate: fuse only what the backend accepts for these (static) shapes. A site
+        declined here stays as Inductor compiles it (its own fused norm kernel), which beats a
+        run-time fallback inside the fused op. With `combine`: whether the backend also takes
+        the MoE combine (where it has no kernel for these shapes, Inductor's compiled combine
+        beats the op's run-time fallback). A site the quantized all-reduce takes (`quantized`,
+        from `_quantized`) is rewritten even where the fused kernel declines it."""
+        call, backend, reason = self._call(site)
         if backend is not None:
             reason = backend.why_not(call, self.config.max_bytes(call.world_size))
+            if reason and quantized[0]:
+                log.info("arfusion: %s: rewritten for the %s quantized all-reduce (fused kernel: %s)",
+                         site.region.all_reduce.name, quantized[0], reason)
+                reason = None
             if not reason and combine is not None:
                 reason = backend.moe_combine_why_not(call, combine.top_k, None)
         return reason or ""

@@ -86,7 +86,28 @@ def unfused(x, residual, weight, eps, group_name, site, quant_scale):
     if not compiles_fallback(x.device):
         return reference.unfused(x, residual, weight, eps, group_name, site, quant_scale)
     reduced = all_reduce_on_current_stream(x, group_name)
-    return compiled(reference.add_rms_norm)(reduced, residual, weight, eps, site, quant_scale)
+    return after_all_reduce(reduced, residual, weight, eps, site, quant_scale)
+
+
+def after_all_reduce(reduced, residual, weight, eps, site, quant_scale):
+    """[+ residual] -> RMSNorm [-> quant] of an all-reduced tensor: compiled on GPUs."""
+    norm = compiled(reference.add_rms_norm) if compiles_fallback(reduced.device) else reference.add_rms_norm
+    return norm(reduced, residual, weight, eps, site, quant_scale)
+
+
+def quantized_or_none(backend, call: Call, x, residual, weight, eps, quant_scale, level: str,
+                      min_bytes: int) -> list[torch.Tensor] | None:
+    """The site's outputs through `backend`'s `level` quantized all-reduce, or None (logged once)
+    where it does not apply: then the exact path runs."""
+    override = None if min_bytes < 0 else min_bytes
+    reason = backend.quantized_why_not(call, level, override) or backend.prepare_quantized(call, level)
+    if reason:
+        log_once(f"arfusion: {call.site.name}: exact all-reduce, not {level}: {reason}")
+        return None
+    stats.record_dispatch(f"{backend.name} quantized {level}")
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    reduced = backend.quantized_all_reduce(call, flat, level).view(x.shape)
+    return after_all_reduce(reduced, residual, weight, eps, call.site, quant_scale)
 
 
 def all_reduce_on_current_stream(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -159,13 +180,17 @@ def fused_allreduce_rmsnorm(
     backend: str,
     max_bytes: int,
     site_key: str = "",
+    quantized: str = "",
+    quantized_min_bytes: int = -1,
 ) -> list[torch.Tensor]:
     """all_reduce(x) [+ residual] -> RMSNorm [-> quant]; outputs in `Site.outputs()` order.
 
     eps_tensor, when given, replaces eps (graphs compiled with dynamic=True carry eps as a
     0-d tensor). weight None: a norm without weight. max_bytes < 0 means "use the backend's own
     size table". site_key names the site in its compiled graph: `stats()` counts the sites a
-    graph holds even when it came from the FX graph cache and the pass never ran.
+    graph holds even when it came from the FX graph cache and the pass never ran. quantized
+    names a quantized all-reduce level ("" = exact), used from quantized_min_bytes per rank
+    (< 0: the backend's crossover) where the backend has it (`quantized_or_none`).
     """
     site = site_of(residual, norm, quant, emit_norm)
     if site_key:
@@ -178,6 +203,11 @@ def fused_allreduce_rmsnorm(
                 weight_dtype=weight.dtype, world_size=group_size(group_name), device=x.device,
                 group_name=group_name)
     chosen, reason = resolve(backend, x.device)
+    if chosen is not None and quantized:
+        outs = quantized_or_none(chosen, call, x, residual, weight, eps, quant_scale, quantized,
+                                 quantized_min_bytes)
+        if outs is not None:
+            return outs
     if chosen is not None:
         override = None if max_bytes < 0 else max_bytes
         reason = chosen.why_not(call, override) or chosen.prepare(call, override)
@@ -211,7 +241,7 @@ def _layout_key(*tensors) -> tuple | None:
 
 @fused_allreduce_rmsnorm.register_fake
 def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
-          backend, max_bytes, site_key=""):
+          backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1):
     # The reference math on fake tensors gives exactly the real outputs' metadata.
     site = site_of(residual, norm, quant, emit_norm)
     key = _layout_key(x, residual, weight, quant_scale)
@@ -243,6 +273,8 @@ def moe_combine_allreduce_rmsnorm(
     backend: str,
     max_bytes: int,
     site_key: str = "",
+    quantized: str = "",
+    quantized_min_bytes: int = -1,
 ) -> list[torch.Tensor]:
     """MoE top-k combine -> all_reduce -> [+ residual] -> RMSNorm [-> quant]; outputs [T, H] in
     `Site.outputs()` order, as `fused_allreduce_rmsnorm` of the combined [T, H].
@@ -251,7 +283,8 @@ def moe_combine_allreduce_rmsnorm(
     permuted expert outputs, index [T * K] the row of each (token, k), scale [R, 1] per row
     (scale_first) or [T * K, 1] per (token, k). residual is [T, H]. A backend with a fused kernel
     (FlashInfer's MoE finalize, where its dispatch entry allows) runs it; otherwise the combine
-    runs in torch (compiled on GPUs) and then the ordinary fused site, so the answer is the same.
+    runs in torch (compiled on GPUs) and then the ordinary fused site, so the answer is the same
+    (a quantized all-reduce, where asked for, applies there: prefill sizes).
     """
     site = site_of(residual, norm, quant, emit_norm)
     if site_key:
@@ -268,7 +301,7 @@ def moe_combine_allreduce_rmsnorm(
                     world_size=group_size(group_name), device=rows.device, group_name=group_name)
         override = None if max_bytes < 0 else max_bytes
         reason = (chosen.why_not(call, override) or chosen.moe_combine_why_not(call, top_k, rows.shape[0])
-                  or chosen.prepare(call, override))
+                  or _quantized_takes(chosen, call, quantized, quantized_min_bytes) or chosen.prepare(call, override))
         if reason is None:
             stats.record_dispatch(chosen.name)
             outs = chosen.run_moe_combine(call, rows, scale, index, top_k, scale_first,
@@ -279,12 +312,19 @@ def moe_combine_allreduce_rmsnorm(
     combine = (compiled(reference.moe_combine) if compiles_fallback(rows.device) else reference.moe_combine)
     combined = combine(rows, scale, index, top_k, scale_first)
     return fused_allreduce_rmsnorm(combined, residual, weight, eps, None, group_name, norm, quant, quant_scale,
-                                   emit_norm, backend, max_bytes)
+                                   emit_norm, backend, max_bytes, "", quantized, quantized_min_bytes)
+
+
+def _quantized_takes(backend, call: Call, level: str, min_bytes: int) -> str | None:
+    """A reason to leave the MoE kernel: the quantized all-reduce (after the combine) takes the call."""
+    if level and backend.quantized_why_not(call, level, None if min_bytes < 0 else min_bytes) is None:
+        return f"the {level} quantized all-reduce takes this call"
+    return None
 
 
 @moe_combine_allreduce_rmsnorm.register_fake
 def _moe_fake(rows, scale, index, top_k, scale_first, residual, weight, eps, eps_tensor, group_name, norm, quant,
-              quant_scale, emit_norm, backend, max_bytes, site_key=""):
+              quant_scale, emit_norm, backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1):
     combined = rows.new_empty((index.shape[0] // top_k, rows.shape[-1]))
     return _fake(combined, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
                  backend, max_bytes)

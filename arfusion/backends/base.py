@@ -88,6 +88,7 @@ class Capabilities:
     quants: frozenset[str] = frozenset({"none"})
     world_sizes: frozenset[int] = frozenset()
     residual_optional: bool = True
+    quantized_levels: frozenset[str] = frozenset()  # config.QUANTIZED_LEVELS it has an all-reduce for
 
     def why_not(self, call: Call) -> str | None:
         site = call.site
@@ -169,6 +170,47 @@ class Backend:
                         eps: float, quant_scale: torch.Tensor | None) -> Sequence[torch.Tensor]:
         """The fused result from the combine's inputs (see `reference.moe_combine`); outputs in
         `call.site.outputs()` order, [T, H]."""
+        raise NotImplementedError
+
+    # Quantized all-reduce (opt-in, lossy; arfusion/quantized_comm.py): the op runs it, then the
+    # compiled add+RMSNorm(+quant), where `quantized_why_not` accepts the call. The crossover
+    # (`quantized_min_bytes`) is where it beats the exact path this backend would take; the
+    # checks read same-on-every-rank facts only, like `why_not`.
+
+    def quantized_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
+        """(per-rank bytes from which `level` pays here, inclusive, or None: not known; source)."""
+        return None, f"no measured crossover for a {level} all-reduce on backend {self.name}"
+
+    def quantized_problem(self, call: Call, level: str) -> str | None:
+        """Backend-specific reasons the quantized kernel cannot take `call` (dtype, world, GPU)."""
+        return None
+
+    def quantized_why_not(self, call: Call, level: str, min_bytes_override: int | None = None) -> str | None:
+        """None if `call` runs a `level` quantized all-reduce (tokens None: decided at run time)."""
+        if level not in self.capabilities.quantized_levels:
+            return f"backend {self.name} has no {level} quantized all-reduce"
+        if call.device.type not in self.capabilities.device_types:
+            return f"device {call.device.type} not in {sorted(self.capabilities.device_types)}"
+        reason = self.unavailable(call.device) or self.quantized_problem(call, level)
+        if reason:
+            return reason
+        if min_bytes_override is not None:
+            floor, source = min_bytes_override, "quantized_allreduce_min_mb"
+        else:
+            floor, source = self.quantized_min_bytes(call, level)
+            if floor is None:
+                return source
+        if call.nbytes is not None and call.nbytes < floor:
+            return f"{call.nbytes} bytes per rank < {floor} ({source}): the exact path is faster"
+        return None
+
+    def prepare_quantized(self, call: Call, level: str) -> str | None:
+        """Run time only, after `quantized_why_not` accepted: ready the kernel's buffers
+        (collectively, outside CUDA-graph pools, never during capture). None when ready."""
+        return None
+
+    def quantized_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
+        """The sum over the group of `x` ([T, H], contiguous), sent as `level`."""
         raise NotImplementedError
 
 

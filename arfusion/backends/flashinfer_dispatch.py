@@ -107,6 +107,19 @@ def moe_finalize_problem(sm_major: int, world_size: int, tokens: int | None) -> 
     return None
 
 
+# Quantized all-reduce (`flashinfer.comm.quantized_allreduce.quantized_all_reduce`: FP8 payload,
+# two-shot over torch symmetric memory, bf16 only): (SM major, world size) -> {level: MiB per rank
+# from which it is used, inclusive}. SM90 world 2, 2xH200 in CUDA graphs at the site (hidden 4096,
+# quantized all-reduce + compiled add+RMSNorm; FIELD_NOTES 8.2) against FlashInfer's exact fused
+# kernel: 0.52/0.76/0.95/1.19/1.25/1.25x at 1/2/4/8/16/32 MiB; against NCCL + the same norm (the
+# exact path above the 32 MiB fused cap) 1.26x all-reduce alone at 64 MiB. Hence 8 MiB. Other
+# GPUs and worlds are unmeasured: `arfusion tune --quantized fp8` or quantized_allreduce_min_mb.
+QUANTIZED_MIN_MIB: dict[tuple[int, int], dict[str, float]] = {(9, 2): {"fp8": 8}}
+# The largest message measured (64 MiB: 1.26x); larger ones keep the exact path. It also sizes
+# the symmetric buffer (about half of it: one byte per element plus scales).
+QUANTIZED_MAX_BYTES = 64 * MiB
+
+
 SEED_TABLE: dict[tuple[int, int, torch.dtype], Limits] = {
     (sm, ws, dtype): Limits(int(cap * MiB), int(one * MiB), f"seed table SM{sm}x world {ws}")
     for (sm, ws), (cap, one) in _SEED_16BIT.items() for dtype in HALF_DTYPES
@@ -165,6 +178,23 @@ def limits_for(sm_major: int, gpu_name: str, world_size: int, hidden: int,
     return SEED_TABLE.get((sm_major, world_size, dtype))
 
 
+def quantized_min_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int, dtype: torch.dtype,
+                        level: str) -> tuple[int | None, str]:
+    """(per-rank bytes from which the `level` quantized all-reduce is used, where the number comes
+    from); None where neither a tuned entry nor the table has one, or tuning found it never pays."""
+    entry = tuned_entries().get(tuned_key(gpu_name, world_size, hidden, dtype))
+    tuned = (entry or {}).get("quantized_min_tokens", {})
+    if level in tuned:
+        if tuned[level] is None:
+            return None, f"tuned cache {cache_path()}: the {level} all-reduce was never faster here"
+        return int(tuned[level]) * hidden * torch.empty((), dtype=dtype).element_size(), f"tuned cache {cache_path()}"
+    mib = QUANTIZED_MIN_MIB.get((sm_major, world_size), {}).get(level)
+    if mib is None:
+        return None, (f"no measured {level} all-reduce crossover for SM {sm_major}x, world size {world_size} "
+                      f"(run `arfusion tune --quantized {level}` or set quantized_allreduce_min_mb)")
+    return int(mib * MiB), f"seed table SM{sm_major}x world {world_size}"
+
+
 def group_quant_cap(sm_major: int, world_size: int) -> int | None:
     """Bytes per rank up to which a per-group FP8 site may fuse, beyond the table; None: no limit."""
     mib = GROUP_QUANT_MAX_MIB.get((sm_major, world_size))
@@ -181,5 +211,5 @@ def table_hash() -> str:
     seed = repr(sorted((k[0], k[1], str(k[2]), v.max_fused_bytes, v.oneshot_max_bytes)
                        for k, v in SEED_TABLE.items()))
     seed += repr(sorted(GROUP_QUANT_MAX_MIB.items())) + repr(sorted(QUANT_MIN_SM.items()))
-    seed += repr(sorted(MOE_FINALIZE_MAX_TOKENS.items()))
+    seed += repr(sorted(MOE_FINALIZE_MAX_TOKENS.items())) + repr(sorted(QUANTIZED_MIN_MIB.items()))
     return hashlib.sha256(f"{seed}|{cache_hash()}".encode()).hexdigest()[:16]

@@ -1,4 +1,9 @@
-"""Reference backend: functional all_reduce plus the same math in PyTorch. Runs anywhere."""
+"""Reference backend: functional all_reduce plus the same math in PyTorch. Runs anywhere.
+
+Its quantized all-reduce emulates each level's format with torch collectives
+(`quantized_comm.emulate`) at every size: it exists to show what the quantization costs (CPU
+runs, tests, the accuracy harness), not to be fast.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import reference
-from ..config import QUANT_FORMS
+from .. import quantized_comm, reference
+from ..config import QUANT_FORMS, QUANTIZED_LEVELS
 from .base import Backend, Capabilities
 
 
@@ -18,6 +23,7 @@ class TorchBackend(Backend):
         device_types=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         quants=frozenset({"none", *QUANT_FORMS}),
+        quantized_levels=frozenset(QUANTIZED_LEVELS),
     ))
 
     def run(self, call, x, residual, weight, eps, quant_scale):
@@ -29,3 +35,14 @@ class TorchBackend(Backend):
     def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale):
         combined = reference.moe_combine(rows, scale, index, top_k, scale_first)
         return self.run(call, combined, residual, weight, eps, quant_scale)
+
+    def quantized_min_bytes(self, call, level):
+        return 0, "the torch backend emulates the quantized all-reduce at every size"
+
+    def quantized_problem(self, call, level):
+        if call.dtype not in self.capabilities.dtypes:
+            return f"dtype {call.dtype} not supported"
+        return None
+
+    def quantized_all_reduce(self, call, x, level):
+        return quantized_comm.emulate(x, call.group_name, level)

@@ -78,10 +78,11 @@ def op_site(site: Site) -> OpSite:
 
 
 def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, site_key: str,
-            combine: Combine | None = None) -> bool:
+            combine: Combine | None = None, quantized: tuple[str, int] = ("", -1)) -> bool:
     """Replace `site` by the fused op; False (graph unchanged) if a shape cannot be expressed.
     With `combine` (the MoE top-k combine producing the all-reduce input, `moe_combine.find`)
-    the MoE op takes its rows, weights and index instead, and the combine's nodes go too."""
+    the MoE op takes its rows, weights and index instead, and the combine's nodes go too.
+    `quantized` is the op's (level, min bytes) of the quantized all-reduce ("": exact)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min((n for n, _ in site.exits), key=order.__getitem__)
     build = Builder(graph, anchor)
@@ -103,7 +104,7 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
         scale = build.call(aten.reciprocal.default, scale)
     literal_eps = site.eps_input is None
     tail = (residual, site.weight, site.eps, None if literal_eps else site.eps_input, region.group_name,
-            site.norm, site.quant, scale, site.emit_norm, backend, max_bytes, site_key)
+            site.norm, site.quant, scale, site.emit_norm, backend, max_bytes, site_key, *quantized)
     if combine is None:
         fused = build.call(FUSED_OP, x, *tail)
     else:

@@ -1,0 +1,352 @@
+"""Quantized all-reduce (opt-in): config, the codecs' numerics, gating at the crossover, the
+fallback when FlashInfer's kernel or its symmetric memory is missing, and compiled models on
+2 gloo ranks (the torch backend emulates the quantization)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from arfusion import quantized_comm
+from arfusion.backends import flashinfer as fi
+from arfusion.backends import flashinfer_dispatch as dispatch
+from arfusion.backends.base import Call, Site
+from arfusion.backends.torch_ref import TorchBackend
+from arfusion.config import QUANTIZED_ENV, QUANTIZED_LEVELS, PassConfig
+
+from .test_numerics_gloo import run_workers
+
+MiB = 1 << 20
+BF16 = torch.bfloat16
+SITE = Site(residual=True, norm="rms")
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_levels_and_validation():
+    assert PassConfig().quantized_allreduce is None
+    assert PassConfig(quantized_allreduce="FP8").quantized_allreduce == "fp8"
+    assert PassConfig(quantized_allreduce="none").quantized_allreduce is None
+    with pytest.raises(ValueError, match="quantized_allreduce must be None or one of"):
+        PassConfig(quantized_allreduce="int3")
+    with pytest.raises(ValueError, match="quantized_allreduce_min_mb"):
+        PassConfig(quantized_allreduce_min_mb={2: -1})
+    config = PassConfig.from_dict({"pass_config": {"quantized_allreduce": "int4",
+                                                   "quantized_allreduce_min_mb": {"2": 16}}})
+    assert config.quantized_allreduce == "int4" and config.quantized_min_bytes(2) == 16 * MiB
+    assert config.quantized_min_bytes(4) is None
+    # The level is part of the cache key: a quantized graph is never served to an exact config.
+    assert PassConfig(quantized_allreduce="fp8").key() != PassConfig().key()
+
+
+def test_env_switch_applies_where_the_config_names_no_level(monkeypatch):
+    monkeypatch.setenv(QUANTIZED_ENV, "int6")
+    assert PassConfig().quantized_allreduce == "int6"
+    assert PassConfig(quantized_allreduce="fp8").quantized_allreduce == "fp8"
+    monkeypatch.setenv(QUANTIZED_ENV, "off")
+    assert PassConfig().quantized_allreduce is None
+    monkeypatch.setenv(QUANTIZED_ENV, "fp4")
+    with pytest.raises(ValueError, match="'fp4'"):
+        PassConfig()
+
+
+# ---------------------------------------------------------------- codec numerics
+
+
+@pytest.mark.parametrize("level", QUANTIZED_LEVELS)
+def test_codec_error_is_bounded_per_group(level):
+    codec = quantized_comm.CODECS[level]
+    torch.manual_seed(0)
+    x = torch.randn(8, 1024, dtype=torch.float64)
+    x[0, 5] = 300.0  # an outlier only coarsens its own group
+    back = quantized_comm.quantize_dequantize(x, codec).double()
+    groups, back_groups = x.reshape(-1, codec.group), back.reshape(-1, codec.group)
+    amax = groups.abs().amax(-1, keepdim=True)
+    err = (back_groups - groups).abs()
+    if codec.floating:  # e4m3: 3 mantissa bits, relative half-step 2^-4 (subnormals: absolute)
+        bound = torch.maximum(groups.abs() * 2.0 ** -4, amax * 2.0 ** -9 / 448 * 2)
+    else:  # integer steps of amax / L, L = 2^(bits-1); codes past L - 1 (values near -amax) clamp
+        levels = 2 ** (codec.bits - 1)
+        bound = amax / levels * torch.where(groups < -amax * (levels - 1) / levels, 1.0, 0.5)
+    assert bool((err <= bound * (1 + 1e-4)).all())  # fp32 arithmetic
+    outlier_group = 5 // codec.group
+    others = torch.ones(groups.shape[0], dtype=torch.bool)
+    others[outlier_group] = False
+    assert err[others].max() < err[outlier_group].max()
+    if not codec.floating:
+        top = groups == amax  # +amax comes back as itself (in fp32, where the codec computes)
+        assert bool((back_groups[top] == groups[top].float().double()).all())
+
+
+def test_codecs_get_coarser_with_fewer_bits():
+    torch.manual_seed(1)
+    x = torch.randn(4096)
+    errors = {lv: (quantized_comm.quantize_dequantize(x, quantized_comm.CODECS[lv]) - x).norm() / x.norm()
+              for lv in ("int8", "int6", "int4")}
+    assert errors["int8"] < errors["int6"] < errors["int4"] < 0.2
+
+
+def test_flashinfer_stripes():
+    owner = quantized_comm.stripe_owner(3 * 4096 + 5, 2, torch.device("cpu"))
+    assert owner[:4096].eq(0).all() and owner[4096:8192].eq(1).all() and owner[8192:].tolist()[0] == 0
+    assert quantized_comm.stripe_owner(300, 4, torch.device("cpu")).eq(0).all()  # one stripe: all of it
+    big = 32 * 2 ** 20 + 8
+    assert int(quantized_comm.stripe_owner(big, 2, torch.device("cpu"))[16384]) == 1
+
+
+# ---------------------------------------------------------------- gating at the crossover
+
+
+@pytest.fixture
+def h200(monkeypatch, tmp_path):
+    """FlashInfer backend decisions as on an H200 (nothing here touches a GPU)."""
+    monkeypatch.setattr(fi, "_environment_problem", lambda index: None)
+    monkeypatch.setattr(fi, "device_facts", lambda index: fi.DeviceFacts((9, 0), "NVIDIA H200", "uuid"))
+    monkeypatch.setenv(dispatch.CACHE_ENV, str(tmp_path / "tuning.json"))
+    dispatch.forget_cache()
+    yield fi.FlashInferBackend()
+    dispatch.forget_cache()
+
+
+def call(tokens, hidden=4096, world=2, dtype=BF16, device="cuda"):
+    return Call(site=SITE, tokens=tokens, hidden=hidden, dtype=dtype, weight_dtype=dtype, world_size=world,
+                device=torch.device(device, 0) if device == "cuda" else torch.device(device), group_name="g")
+
+
+def tokens_for(mib, hidden=4096):
+    return int(mib * MiB) // (hidden * 2)
+
+
+def test_flashinfer_crossover_boundary(h200):
+    at = tokens_for(8)  # 1024 tokens x 4096 x 2 bytes = 8 MiB: the seeded crossover, inclusive
+    assert h200.quantized_why_not(call(at), "fp8") is None
+    assert "< 8388608" in h200.quantized_why_not(call(at - 1), "fp8")
+    assert h200.quantized_why_not(call(None), "fp8") is None  # dynamic: decided per call
+    assert "largest size measured" in h200.quantized_why_not(call(tokens_for(64) + 1), "fp8")
+    assert h200.quantized_why_not(call(tokens_for(64)), "fp8") is None
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(world=4), "arfusion tune --quantized fp8"),  # unmeasured: never guessed
+    (dict(world=6), "power-of-two world size"),
+    (dict(dtype=torch.float16), "bfloat16 only"),
+    (dict(hidden=4100), "multiple of 8"),
+])
+def test_flashinfer_declines_what_it_cannot_run(h200, change, expected):
+    args = dict(tokens=tokens_for(16, change.get("hidden", 4096)))
+    args.update(change)
+    assert expected in h200.quantized_why_not(call(**args), "fp8")
+
+
+def test_flashinfer_has_fp8_only(h200):
+    assert "no int4 quantized all-reduce" in h200.quantized_why_not(call(4096), "int4")
+
+
+def test_user_threshold_and_tuned_cache_override_the_table(h200, tmp_path):
+    assert h200.quantized_why_not(call(tokens_for(1)), "fp8", min_bytes_override=0) is None
+    assert h200.quantized_why_not(call(tokens_for(16)), "fp8", min_bytes_override=32 * MiB) is not None
+    key = dispatch.tuned_key("NVIDIA H200", 4, 4096, BF16)
+    entry = {"max_fused_tokens": 1024, "oneshot_max_tokens": 256, "quantized_min_tokens": {"fp8": 2048}}
+    (tmp_path / "tuning.json").write_text(json.dumps({"version": dispatch.CACHE_VERSION, "entries": {key: entry}}))
+    dispatch.forget_cache()
+    assert h200.quantized_why_not(call(2048, world=4), "fp8") is None
+    assert "tuned cache" in h200.quantized_why_not(call(2047, world=4), "fp8")
+    entry["quantized_min_tokens"] = {"fp8": None}
+    (tmp_path / "tuning.json").write_text(json.dumps({"version": dispatch.CACHE_VERSION, "entries": {key: entry}}))
+    dispatch.forget_cache()
+    assert "never faster" in h200.quantized_why_not(call(8192, world=4), "fp8")
+
+
+def test_torch_backend_emulates_at_every_size():
+    backend = TorchBackend()
+    for level in QUANTIZED_LEVELS:
+        assert backend.quantized_why_not(call(1, device="cpu"), level) is None
+    assert backend.quantized_why_not(call(1, device="cpu"), "fp8", min_bytes_override=MiB) is not None
+
+
+# ---------------------------------------------------------------- gloo workers (one spawn)
+
+
+class OneSite(torch.nn.Module):
+    """Row-parallel matmul -> all-reduce -> + residual -> RMSNorm (HF Llama spelling)."""
+
+    def __init__(self, hidden, dtype=BF16):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(hidden, hidden, dtype=dtype) / math.sqrt(hidden))
+        self.g = torch.nn.Parameter(1 + 0.1 * torch.randn(hidden, dtype=dtype))
+
+    def forward(self, x, residual):
+        y = torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce(x @ self.w, "sum", dist.group.WORLD.group_name))
+        h = residual + y
+        hf = h.float()
+        return self.g * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype), h
+
+
+def _compiled(model, config, dynamic=False):
+    import arfusion
+
+    torch._dynamo.reset()
+    return torch.compile(model, options=arfusion.inductor_options(config), dynamic=dynamic)
+
+
+def _end_to_end(rank, out):
+    import arfusion
+    from arfusion import reference
+
+    hidden = 256
+    torch.manual_seed(0)
+    model = OneSite(hidden)
+    torch.manual_seed(10 + rank)
+    x, res = torch.randn(6, hidden, dtype=BF16), torch.randn(6, hidden, dtype=BF16)
+    group = dist.group.WORLD.group_name
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        exact_norm, exact_h = model(x, res)
+        for level in QUANTIZED_LEVELS:
+            arfusion.reset_stats()
+            config = PassConfig(enable_allreduce_fusion=True, backend="torch", quantized_allreduce=level)
+            norm, h = _compiled(model, config)(x, res)
+            # What the op must compute: the emulated all-reduce of the same matmul, then the norm.
+            want_h = res + quantized_comm.emulate(x @ model.w, group, level)
+            want_norm = reference.rms_norm(want_h, model.g, 1e-6, "rms")
+            out[level] = dict(
+                stats=arfusion.stats(),
+                vs_emulation=float((h.float() - want_h.float()).abs().max()),
+                norm_vs_emulation=float((norm.float() - want_norm.float()).abs().max()),
+                vs_exact=float((h.float() - exact_h.float()).abs().max() / exact_h.float().abs().max()),
+                norm_vs_exact=float((norm.float() - exact_norm.float()).abs().max()))
+
+        # The user's threshold, static shapes: 6 x 256 x 2 = 3072 bytes per rank (inclusive).
+        for mb, name in ((3072 / MiB, "at_threshold"), (3073 / MiB, "below_threshold")):
+            arfusion.reset_stats()
+            config = PassConfig(enable_allreduce_fusion=True, backend="torch", quantized_allreduce="fp8",
+                                quantized_allreduce_min_mb={2: mb})
+            norm, _ = _compiled(model, config)(x, res)
+            out[name] = dict(stats=arfusion.stats(), exact=bool(torch.equal(norm, exact_norm)))
+        # dynamic=True: chosen per call inside the op, by the same rule on every rank.
+        arfusion.reset_stats()
+        config = PassConfig(enable_allreduce_fusion=True, backend="torch", quantized_allreduce="int8",
+                            quantized_allreduce_min_mb={2: 4 * hidden * 2 / MiB})
+        fn = _compiled(model, config, dynamic=True)
+        small, large = fn(x[:3], res[:3])[0], fn(x, res)[0]
+        out["dynamic"] = dict(stats=arfusion.stats(), small_exact=bool(torch.equal(small, model(x[:3], res[:3])[0])),
+                              large_exact=bool(torch.equal(large, exact_norm)))
+
+        # Ranks agree except in each other's stripes (FlashInfer's fp8 two-shot).
+        y = torch.randn(3 * 4096, dtype=torch.float32) * (1 + rank)
+        got = quantized_comm.emulate(y, group, "fp8")
+        gathered = [torch.empty_like(got) for _ in range(2)]
+        dist.all_gather(gathered, got)
+        total = y.clone()
+        dist.all_reduce(total)
+        owner = quantized_comm.stripe_owner(y.numel(), 2, y.device)
+        out["stripes"] = dict(
+            own_exact_vs_fp8_sum=float((got[owner == rank] - _sum_of_quantized(y, group)[owner == rank]).abs().max()),
+            others_differ=bool((gathered[0] != gathered[1]).any()),
+            rel_err=float((got - total).norm() / total.norm()))
+
+
+def _sum_of_quantized(y, group):
+    sent = quantized_comm.quantize_dequantize(y, quantized_comm.CODECS["fp8"])
+    dist.all_reduce(sent)
+    return sent
+
+
+def _fallback_when_missing(rank, out):
+    """FlashInfer's prepare on gloo/CPU with the module missing on one rank, then raising on one."""
+    from arfusion.backends.flashinfer import FlashInferBackend
+
+    c = Call(site=SITE, tokens=4, hidden=64, dtype=BF16, weight_dtype=BF16, world_size=2,
+             device=torch.device("cpu"), group_name=dist.group.WORLD.group_name)
+    name = "flashinfer.comm.quantized_allreduce"
+    saved = sys.modules.get(name)
+    try:
+        sys.modules[name] = None if rank == 1 else types.SimpleNamespace()  # None: import fails
+        backend = FlashInferBackend()
+        out["missing"] = [backend.prepare_quantized(c, "fp8"), backend.prepare_quantized(c, "fp8")]
+
+        calls = []
+
+        def quantized_all_reduce(inp, group, output=None):
+            calls.append(inp.numel())
+            if rank == 0:
+                raise RuntimeError("symmetric memory unavailable")
+            return output
+
+        sys.modules[name] = types.SimpleNamespace(quantized_all_reduce=quantized_all_reduce)
+        backend = FlashInferBackend()
+        out["raising"] = [backend.prepare_quantized(c, "fp8"), calls]
+        sys.modules[name] = types.SimpleNamespace(quantized_all_reduce=lambda inp, group, output=None: output)
+        backend = FlashInferBackend()
+        out["ok"] = [backend.prepare_quantized(c, "fp8"), backend._groups[c.group_name].quantized_ready]
+    finally:
+        if saved is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = saved
+
+
+def _all_cases(rank, path):
+    out = {}
+    for case in (_end_to_end, _fallback_when_missing):
+        case(rank, out)
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(out, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("quantized") / "out")
+    run_workers(_all_cases, 2, path)
+    return [json.load(open(f"{path}.{rank}")) for rank in range(2)]
+
+
+@pytest.mark.parametrize("level", QUANTIZED_LEVELS)
+def test_compiled_model_runs_the_quantized_all_reduce(results, level):
+    for r in results:
+        got = r[level]
+        assert got["stats"]["fused_sites"] == 1
+        assert got["stats"]["dispatch"] == {f"torch quantized {level}": 1}
+        assert got["vs_emulation"] == 0.0  # the op computes exactly the emulation + the model's norm
+        assert got["norm_vs_emulation"] == 0.0
+        assert 0 < got["vs_exact"] < {"fp8": 0.08, "int8": 0.03, "int6": 0.08, "int4": 0.3}[level]
+
+
+def test_threshold_boundary_static_shapes(results):
+    for r in results:
+        assert r["at_threshold"]["stats"]["dispatch"] == {"torch quantized fp8": 1}
+        assert not r["at_threshold"]["exact"]
+        assert r["below_threshold"]["stats"]["dispatch"] == {"torch": 1}
+        assert r["below_threshold"]["exact"]
+
+
+def test_run_time_choice_with_dynamic_shapes(results):
+    for r in results:
+        assert r["dynamic"]["stats"]["dispatch"] == {"torch": 1, "torch quantized int8": 1}
+        assert r["dynamic"]["small_exact"] and not r["dynamic"]["large_exact"]
+
+
+def test_emulated_fp8_keeps_each_ranks_own_stripe_exact(results):
+    for r in results:
+        assert r["stripes"]["own_exact_vs_fp8_sum"] == 0.0
+        assert 0 < r["stripes"]["rel_err"] < 0.05
+    assert results[0]["stripes"]["others_differ"]
+
+
+def test_missing_library_or_symmetric_memory_falls_back_on_every_rank(results):
+    for r in results:
+        first, second = r["missing"]
+        assert first and first == second  # decided once, the same on both ranks, not retried
+        reason, calls = r["raising"]
+        assert "set-up failed" in reason
+        assert calls == [dispatch.QUANTIZED_MAX_BYTES // 2]  # one warm-up at the largest size
+        assert r["ok"] == [None, True]
+    assert "unavailable" in results[1]["missing"][0]
+    assert "another rank" in results[0]["missing"][0]
