@@ -1,6 +1,6 @@
 """The `arfusion` command.
 
-    torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096 [--dtype bf16]
+    torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096 [--dtype bf16] [--quantized fp8]
     arfusion table            # what dispatch would do, per table entry and tuned entry
 """
 
@@ -34,7 +34,7 @@ def _tune(args) -> int:
     try:
         for hidden in args.hidden:
             entry = tuning.tune(hidden, DTYPES[args.dtype], tokens, cache=args.cache, eps=args.eps,
-                                calls=args.calls, replays=args.replays)
+                                calls=args.calls, replays=args.replays, quantized=args.quantized)
             if dist.get_rank() == 0:
                 print(f"\n{entry['gpu']}, world {entry['world_size']}, hidden {hidden}, {entry['dtype']}")
                 print(tuning.format_rows(entry))
@@ -63,8 +63,13 @@ def _table(args) -> int:
               f"{lim.max_fused_bytes / dispatch.MiB:>9.2f} MiB {lim.oneshot_max_bytes / dispatch.MiB:>11.2f} MiB")
     print(f"tuned cache: {dispatch.cache_path()} ({'present' if dispatch.cache_hash() else 'absent'})")
     for key, entry in sorted(dispatch.tuned_entries().items()):
+        quantized = "".join(f", {lv} quantized all-reduce " + ("never" if start is None else f"from {start} tokens")
+                            for lv, start in entry.get("quantized_min_tokens", {}).items())
         print(f"  {key}: fuse up to {entry['max_fused_tokens']} tokens, one-shot up to "
-              f"{entry['oneshot_max_tokens']} tokens")
+              f"{entry['oneshot_max_tokens']} tokens{quantized}")
+    print("quantized all-reduce seed table (opt-in; MiB per rank from which it is used, inclusive):")
+    for (sm, ws), levels in sorted(dispatch.QUANTIZED_MIN_MIB.items()):
+        print(f"  SM{sm}x world {ws}: " + ", ".join(f"{lv} from {mib:g} MiB" for lv, mib in levels.items()))
     if args.json:
         print(json.dumps(dispatch.tuned_entries(), indent=1))
     return 0
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--eps", type=float, default=1e-6)
     tune.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     tune.add_argument("--replays", type=int, default=30, help="graph replays per measurement")
+    tune.add_argument("--quantized", choices=["fp8"], default=None,
+                      help="also measure where FlashInfer's quantized all-reduce starts to pay")
     tune.set_defaults(func=_tune)
     table = sub.add_parser("table", help="print the dispatch table and tuned entries")
     table.add_argument("--json", action="store_true", help="also dump the tuned entries")

@@ -6,9 +6,11 @@ Run under torchrun, one process per GPU of the tensor-parallel group:
 
 For each token count it times, inside CUDA graphs, (1) NCCL all_reduce in place + the
 torch.compile'd add+RMSNorm (what a model runs when nothing is fused: its all-reduce input is a
-matmul output, reduced in place), (2) the fused op with one-shot and (3) with two-shot. Every rank then holds the slowest rank's numbers, so all derive
-the same crossover points; rank 0 stores them in the JSON cache that dispatch reads
-(`flashinfer_dispatch.cache_path()`), keyed by (GPU name, world size, hidden, dtype).
+matmul output, reduced in place), (2) the fused op with one-shot and (3) with two-shot, and with
+`--quantized fp8` (4) the op's quantized all-reduce + compiled add+RMSNorm. Every rank then holds
+the slowest rank's numbers, so all derive the same crossover points; rank 0 stores them in the
+JSON cache that dispatch reads (`flashinfer_dispatch.cache_path()`), keyed by (GPU name, world
+size, hidden, dtype).
 """
 
 from __future__ import annotations
@@ -135,9 +137,11 @@ def unfused_step(x, residual, weight, eps, group, norm_fn):
     return norm_fn(x, residual, weight, eps, PLAIN_SITE)
 
 
-def fused_step(x, residual, weight, eps, group_name, max_bytes, backend="flashinfer"):
+def fused_step(x, residual, weight, eps, group_name, max_bytes, backend="flashinfer", quantized=""):
+    """The fused op; with `quantized` it always runs that quantized all-reduce (threshold 0)."""
     return torch.ops.arfusion.fused_allreduce_rmsnorm(
-        x, residual, weight, eps, None, group_name, "rms", "none", None, True, backend, max_bytes)
+        x, residual, weight, eps, None, group_name, "rms", "none", None, True, backend, max_bytes, "",
+        quantized, 0 if quantized else -1)
 
 
 # ----------------------------------------------------------------- deriving the crossover
@@ -149,6 +153,7 @@ class Measured:
     unfused_us: float
     oneshot_us: float
     twoshot_us: float | None  # None where two-shot cannot run (tokens <= world size)
+    quantized_us: float | None = None  # quantized all-reduce + compiled norm, where measured
 
 
 def crossover(rows: Iterable[Measured], world_size: int) -> tuple[int, int]:
@@ -176,6 +181,26 @@ def crossover(rows: Iterable[Measured], world_size: int) -> tuple[int, int]:
     return oneshot_max, max_fused
 
 
+def exact_us(r: Measured, oneshot_max: int, max_fused: int, world_size: int) -> float:
+    """What arfusion's exact path costs at r.tokens once the crossover above is in place."""
+    if r.tokens > max_fused:
+        return r.unfused_us
+    oneshot = r.tokens <= oneshot_max or r.tokens <= world_size or r.twoshot_us is None
+    return r.oneshot_us if oneshot else r.twoshot_us
+
+
+def quantized_crossover(rows: Iterable[Measured], oneshot_max: int, max_fused: int, world_size: int) -> int | None:
+    """Smallest token count from which the quantized all-reduce beats the exact path at every
+    larger measured count (None: nowhere), so it is never chosen where the exact path is faster."""
+    start = None
+    for r in sorted(rows, key=lambda r: r.tokens):
+        if r.quantized_us is not None and r.quantized_us < exact_us(r, oneshot_max, max_fused, world_size):
+            start = r.tokens if start is None else start
+        else:
+            start = None
+    return start
+
+
 def save_entry(key: str, entry: dict, path: Path) -> None:
     """Merge one entry into the cache file, written atomically."""
     from .backends import flashinfer_dispatch as dispatch
@@ -199,8 +224,9 @@ def save_entry(key: str, entry: dict, path: Path) -> None:
 
 def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int] = DEFAULT_TOKENS,
          group=None, cache: str | os.PathLike | None = None, eps: float = 1e-6, calls: int = 20,
-         replays: int = 30, progress: bool = True) -> dict:
-    """Measure and store the crossover points for this GPU model, group size, hidden and dtype.
+         replays: int = 30, progress: bool = True, quantized: str | None = None) -> dict:
+    """Measure and store the crossover points for this GPU model, group size, hidden and dtype
+    (with `quantized`, also where that quantized all-reduce level starts to pay).
 
     Collective: call on every rank of `group` (default WORLD), each on its own GPU. Returns the
     cache entry (identical on every rank).
@@ -244,10 +270,15 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
                 backend.force_oneshot = force
                 times.append(time_in_graph(lambda: fused_step(x, res, weight, eps, group_name, max_bytes),
                                            group, calls, replays))
-            unfused, one, two = slowest_rank(times, group)
-            rows.append(Measured(t, unfused, one, None if two != two else two))
+            backend.force_oneshot = saved_force
+            if quantized:
+                times.append(time_in_graph(lambda: fused_step(x, res, weight, eps, group_name, max_bytes,
+                                                              quantized=quantized), group, calls, replays))
+            unfused, one, two, *quant = slowest_rank(times, group)
+            rows.append(Measured(t, unfused, one, None if two != two else two, quant[0] if quant else None))
             bar.update(f"T={t} unfused {unfused:.1f}us one-shot {one:.1f}us"
-                       + ("" if two != two else f" two-shot {two:.1f}us"))
+                       + ("" if two != two else f" two-shot {two:.1f}us")
+                       + (f" {quantized} {quant[0]:.1f}us" if quant else ""))
     finally:
         backend.force_oneshot = saved_force
         bar.close()
@@ -255,8 +286,11 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     oneshot_max, max_fused = crossover(rows, world)
     gpu = torch.cuda.get_device_name(device)
     key = dispatch.tuned_key(gpu, world, hidden, dtype)
+    old = dispatch.tuned_entries().get(key, {})
     entry = {
         "max_fused_tokens": max_fused, "oneshot_max_tokens": oneshot_max, "gpu": gpu,
+        "quantized_min_tokens": {**old.get("quantized_min_tokens", {}), **(
+            {quantized: quantized_crossover(rows, oneshot_max, max_fused, world)} if quantized else {})},
         "world_size": world, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."),
         "measured": [asdict(r) for r in rows],
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -270,17 +304,24 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
 
 
 def format_rows(entry: dict) -> str:
-    lines = [f"{'tokens':>7} {'unfused us':>11} {'one-shot us':>12} {'two-shot us':>12}  chosen"]
+    levels = entry.get("quantized_min_tokens", {})
+    lines = [f"{'tokens':>7} {'unfused us':>11} {'one-shot us':>12} {'two-shot us':>12} {'quantized us':>13}  chosen"]
     for r in entry["measured"]:
         t = r["tokens"]
-        if t > entry["max_fused_tokens"]:
+        starts = [lv for lv, start in levels.items() if start is not None and t >= start]
+        if starts:
+            chosen = f"quantized {starts[0]}"
+        elif t > entry["max_fused_tokens"]:
             chosen = "unfused"
         elif t <= entry["oneshot_max_tokens"] or r["twoshot_us"] is None:
             chosen = "fused one-shot"
         else:
             chosen = "fused two-shot"
         two = "-" if r["twoshot_us"] is None else f"{r['twoshot_us']:.1f}"
-        lines.append(f"{t:>7} {r['unfused_us']:>11.1f} {r['oneshot_us']:>12.1f} {two:>12}  {chosen}")
+        quant = "-" if r.get("quantized_us") is None else f"{r['quantized_us']:.1f}"
+        lines.append(f"{t:>7} {r['unfused_us']:>11.1f} {r['oneshot_us']:>12.1f} {two:>12} {quant:>13}  {chosen}")
     lines.append(f"fuse up to {entry['max_fused_tokens']} tokens; one-shot up to "
-                 f"{entry['oneshot_max_tokens']} tokens")
+                 f"{entry['oneshot_max_tokens']} tokens"
+                 + "".join(f"; {lv} quantized all-reduce " + (f"from {start} tokens" if start is not None else "never")
+                           for lv, start in levels.items()))
     return "\n".join(lines)

@@ -19,18 +19,18 @@ run eagerly, tensor parallel like the others. Configurations (CONFIGURATIONS bel
   compiled        torch.compile(model), no pass
   arfusion_exact  torch.compile with arfusion's pass:
                   PassConfig(enable_allreduce_fusion=True, backend=--backend)
+  arfusion_fp8    the same + quantized_allreduce="fp8" (int8 / int6 / int4 likewise, by --configs),
+                  quantized from --quantized-min-mb per rank (default 0: every site, the worst
+                  case; the backend's crossover would leave small windows exact)
 
 Per configuration: perplexity (exp of the mean next-token loss over every predicted position),
 its relative change vs fp32 and vs compiled, the max (and mean) over positions of the logits'
 relative L2 error vs fp32 (||l - l_fp32|| / ||l_fp32|| over the vocabulary), top-1 agreement with
-fp32, and for arfusion configurations the sites the pass fused. `checks` holds the issue's bars
-for arfusion_exact vs compiled: max logits rel err vs fp32 <= 1.1 x compiled's + --abs-slack, and
-|perplexity change vs compiled| <= 0.1%.
-
-Extension point: a later change adds quantized all-reduce modes as more entries of
-CONFIGURATIONS (a name and a function returning the PassConfig), e.g.
-`Configuration("arfusion_q8", pass_config=lambda backend: arfusion.PassConfig(..., <quantized mode>))`
-plus a bar in BARS; nothing else here needs to change. `--configs` selects which run.
+fp32, and for arfusion configurations the sites the pass fused and the calls that ran a quantized
+all-reduce (0 where the backend has no such level: it then ran exact, and says why in the log).
+`checks` holds the issue's bars against compiled: arfusion_exact: max logits rel err vs fp32
+<= 1.1 x compiled's + --abs-slack and |perplexity change| <= 0.1%; arfusion_fp8: |perplexity
+change| <= 1% (lossy: no logits bar). `--configs` selects which run.
 """
 
 from __future__ import annotations
@@ -59,22 +59,29 @@ from train_tiny_llama import encode_stream, heldout_split, read_texts, windows  
 class Configuration:
     name: str
     compile: bool = False
-    # None: no arfusion pass. Otherwise called with --backend, returns the pass's config.
-    pass_config: Optional[Callable[[str], "arfusion.PassConfig"]] = None
+    arfusion: bool = False  # compiled with arfusion's pass
+    quantized: Optional[str] = None  # its quantized_allreduce level
     note: str = ""
+
+    def pass_config(self, backend: str, world: int, quantized_min_mb: float) -> Optional["arfusion.PassConfig"]:
+        if not self.arfusion:
+            return None
+        min_mb = {world: quantized_min_mb} if self.quantized and quantized_min_mb >= 0 else {}
+        return arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend, quantized_allreduce=self.quantized,
+                                   quantized_allreduce_min_mb=min_mb)
 
 
 CONFIGURATIONS: list[Configuration] = [
     Configuration("eager", note="HF model, uncompiled"),
     Configuration("compiled", compile=True, note="plain torch.compile"),
-    Configuration("arfusion_exact", compile=True,
-                  pass_config=lambda backend: arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend),
-                  note="torch.compile + arfusion (exact all-reduce)"),
-    # Quantized all-reduce modes go here (a later change), e.g. Configuration("arfusion_<mode>", compile=True,
-    # pass_config=lambda backend: arfusion.PassConfig(..., <its option>)), with their bars in BARS.
+    Configuration("arfusion_exact", compile=True, arfusion=True, note="torch.compile + arfusion (exact all-reduce)"),
+    *(Configuration(f"arfusion_{level}", compile=True, arfusion=True, quantized=level,
+                    note=f"torch.compile + arfusion, {level} quantized all-reduce")
+      for level in arfusion.config.QUANTIZED_LEVELS),
 ]
+DEFAULT_CONFIGS = ("eager", "compiled", "arfusion_exact", "arfusion_fp8")
 # Bars per configuration, against "compiled": (max-logits-rel-err factor, max |ppl change vs compiled|).
-BARS: dict[str, tuple[float, float]] = {"arfusion_exact": (1.1, 1e-3)}
+BARS: dict[str, tuple[float, float]] = {"arfusion_exact": (1.1, 1e-3), "arfusion_fp8": (math.inf, 1e-2)}
 
 
 def held_out_windows(tokenizer, seq_len: int, seqs: int, heldout_pct: int) -> torch.Tensor:
@@ -141,15 +148,16 @@ def evaluate(args) -> dict:
         f"TP={world} on {torch.cuda.get_device_name() if cuda else 'cpu'}; {data.shape[0]} held-out windows of "
         f"{args.seq_len} tokens; backend {backend}")
 
-    configs = [cfg for cfg in CONFIGURATIONS if not args.configs or cfg.name in args.configs]
-    runners, fused = {}, {}
+    configs = [cfg for cfg in CONFIGURATIONS if cfg.name in (args.configs or DEFAULT_CONFIGS)]
+    runners, fused, quantized_calls = {}, {}, {}
     for cfg in configs:
         if not cfg.compile:
             runners[cfg.name] = model
         else:
-            options = dict(arfusion.inductor_options(cfg.pass_config(backend))) if cfg.pass_config else None
+            config = cfg.pass_config(backend, world, args.quantized_min_mb)
+            options = dict(arfusion.inductor_options(config)) if config else None
             runners[cfg.name] = torch.compile(model, options=options)
-        fused[cfg.name] = 0
+        fused[cfg.name] = quantized_calls[cfg.name] = 0
     acc = {cfg.name: Accumulator() for cfg in configs}
     ref_acc = Accumulator()
     with torch.no_grad():
@@ -160,17 +168,19 @@ def evaluate(args) -> dict:
             ref = ref_model(input_ids=ids).logits.float()
             ref_acc.add(ref, ref, ids)
             for cfg in configs:
-                before = arfusion.stats()["fused_sites"]
+                before = arfusion.stats()["fused_sites"], _quantized_calls()
                 logits = runners[cfg.name](input_ids=ids).logits
-                fused[cfg.name] += arfusion.stats()["fused_sites"] - before
+                fused[cfg.name] += arfusion.stats()["fused_sites"] - before[0]
+                quantized_calls[cfg.name] += _quantized_calls() - before[1]
                 acc[cfg.name].add(logits, ref, ids)
             say(f"window {start + ids.shape[0]}/{data.shape[0]} ({time.time() - t_start:.0f} s)")
 
     rows = {"fp32": {**ref_acc.result(), "note": "same weights, fp32, eager"}}
     for cfg in configs:
         rows[cfg.name] = {**acc[cfg.name].result(), "note": cfg.note}
-        if cfg.pass_config:
+        if cfg.arfusion:
             rows[cfg.name]["fused_sites"] = fused[cfg.name]
+            rows[cfg.name]["quantized_calls"] = quantized_calls[cfg.name]
     for name, r in rows.items():
         r["ppl_rel_vs_fp32"] = r["perplexity"] / rows["fp32"]["perplexity"] - 1
         if "compiled" in rows:
@@ -180,17 +190,17 @@ def evaluate(args) -> dict:
         for name, (factor, ppl_tol) in BARS.items():
             if name not in rows:
                 continue
-            bound = factor * rows["compiled"]["logits_rel_err_max"] + args.abs_slack
+            bound = factor * rows["compiled"]["logits_rel_err_max"] + args.abs_slack if math.isfinite(factor) else math.inf
             checks[name] = {
                 "logits_rel_err_max": rows[name]["logits_rel_err_max"], "bound": bound,
                 "logits_ok": rows[name]["logits_rel_err_max"] <= bound,
                 "ppl_rel_vs_compiled": rows[name]["ppl_rel_vs_compiled"], "ppl_tolerance": ppl_tol,
                 "ppl_ok": abs(rows[name]["ppl_rel_vs_compiled"]) <= ppl_tol,
-                "bar": f"max logits rel err vs fp32 <= {factor} x compiled's + {args.abs_slack}; "
-                       f"|ppl change vs compiled| <= {100 * ppl_tol:g}%"}
+                "bar": (f"max logits rel err vs fp32 <= {factor} x compiled's + {args.abs_slack}; "
+                        if math.isfinite(factor) else "") + f"|ppl change vs compiled| <= {100 * ppl_tol:g}%"}
     meta = {"model": args.model, "model_type": c.model_type, "layers": c.num_hidden_layers, "hidden": c.hidden_size,
             "vocab": c.vocab_size, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "backend": backend, "seq_len": args.seq_len, "windows": int(data.shape[0]), "batch": args.batch,
+            "backend": backend, "quantized_min_mb": args.quantized_min_mb, "seq_len": args.seq_len, "windows": int(data.shape[0]), "batch": args.batch,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "python": sys.version.split()[0], "seconds": round(time.time() - t_start, 1),
             "command": f"torchrun --nproc-per-node {world} benchmarks/eval_accuracy.py " + " ".join(args.argv)}
@@ -207,22 +217,28 @@ def evaluate(args) -> dict:
     return result if rank == 0 else None
 
 
+def _quantized_calls() -> int:
+    return sum(n for name, n in arfusion.stats()["dispatch"].items() if " quantized " in name)
+
+
 def markdown(result: dict) -> str:
     m, rows = result["meta"], result["configurations"]
     lines = [f"{m['model_type']} {m['layers']} layers, hidden {m['hidden']}, vocab {m['vocab']}; TP={m['world']} on "
              f"{m['device']}, backend {m['backend']}; {m['windows']} held-out windows x {m['seq_len']} tokens; "
              f"torch {m['torch']}, transformers {m['transformers']}", "",
-             "| configuration | perplexity | vs fp32 | vs compiled | max logits rel err vs fp32 | mean | top-1 vs fp32 |",
-             "|---|---|---|---|---|---|---|"]
+             "| configuration | perplexity | vs fp32 | vs compiled | max logits rel err vs fp32 | mean | top-1 vs fp32 "
+             "| quantized all-reduce calls |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         vs_c = f"{100 * r['ppl_rel_vs_compiled']:+.4f}%" if "ppl_rel_vs_compiled" in r else "-"
         lines.append(f"| {name} | {r['perplexity']:.4f} | {100 * r['ppl_rel_vs_fp32']:+.4f}% | {vs_c} | "
                      f"{r['logits_rel_err_max']:.3e} | {r['logits_rel_err_mean']:.3e} | "
-                     f"{100 * r['top1_agreement']:.2f}% |")
+                     f"{100 * r['top1_agreement']:.2f}% | {r.get('quantized_calls', '-')} |")
     for name, ch in result["checks"].items():
+        logits = (f"logits {'OK' if ch['logits_ok'] else 'FAIL'} ({ch['logits_rel_err_max']:.3e} <= "
+                  f"{ch['bound']:.3e}), " if math.isfinite(ch["bound"]) else "")
         lines.append("")
-        lines.append(f"{name} vs compiled: {ch['bar']}: logits {'OK' if ch['logits_ok'] else 'FAIL'} "
-                     f"({ch['logits_rel_err_max']:.3e} <= {ch['bound']:.3e}), perplexity "
+        lines.append(f"{name} vs compiled: {ch['bar']}: {logits}perplexity "
                      f"{'OK' if ch['ppl_ok'] else 'FAIL'} ({100 * ch['ppl_rel_vs_compiled']:+.4f}%)")
     return "\n".join(lines)
 
@@ -237,7 +253,11 @@ def main(argv=None):
     p.add_argument("--heldout-pct", type=int, default=5, help="as train_tiny_llama.py was run with")
     p.add_argument("--backend", default=None, choices=["flashinfer", "aiter", "torch", "auto"],
                    help="arfusion backend (default: flashinfer on CUDA, torch on CPU)")
-    p.add_argument("--configs", nargs="+", default=None, help="subset of: " + ", ".join(c.name for c in CONFIGURATIONS))
+    p.add_argument("--configs", nargs="+", default=None, help=f"default {' '.join(DEFAULT_CONFIGS)}; any of: "
+                   + ", ".join(c.name for c in CONFIGURATIONS))
+    p.add_argument("--quantized-min-mb", type=float, default=0.0,
+                   help="per-rank MiB from which quantized configurations quantize (default 0: every site; "
+                        "-1: the backend's own crossover)")
     p.add_argument("--abs-slack", type=float, default=0.0,
                    help="absolute slack on the logits bar (tiny models: their fp32 error is tiny too)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even where CUDA exists")

@@ -41,7 +41,7 @@ def test_training_reduced_heldout_loss(run):
 
 def test_every_configuration_reported(run):
     rows = run["eval"]["configurations"]
-    assert set(rows) == {"fp32", "eager", "compiled", "arfusion_exact"}
+    assert set(rows) == {"fp32", "eager", "compiled", "arfusion_exact", "arfusion_fp8"}
     for name, r in rows.items():
         assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1, name
         for key in ("ppl_rel_vs_fp32", "ppl_rel_vs_compiled", "logits_rel_err_max", "top1_agreement"):
@@ -58,3 +58,14 @@ def test_arfusion_exact_within_bars(run):
     assert a["top1_agreement"] >= 0.95
     ch = run["eval"]["checks"]["arfusion_exact"]
     assert ch["logits_ok"] and ch["ppl_ok"]
+
+
+def test_fp8_quantized_all_reduce_measured(run):
+    """Every site quantized (--quantized-min-mb 0, the default), emulated by the torch backend."""
+    rows = run["eval"]["configurations"]
+    q, layers = rows["arfusion_fp8"], run["eval"]["meta"]["layers"]
+    assert q["fused_sites"] == 2 * layers + 1 and q["quantized_calls"] >= 2 * layers + 1
+    assert rows["arfusion_exact"]["quantized_calls"] == 0
+    assert q["logits_rel_err_mean"] > rows["arfusion_exact"]["logits_rel_err_mean"]  # lossy, and it shows
+    ch = run["eval"]["checks"]["arfusion_fp8"]
+    assert ch["ppl_ok"] and abs(q["ppl_rel_vs_compiled"]) <= 1e-2

@@ -322,6 +322,24 @@ def test_crossover_never_fuses_when_unfused_always_wins():
     assert tuning.crossover(rows, world_size=2)[1] == 0
 
 
+def test_quantized_crossover_is_where_it_wins_from_there_on():
+    M = tuning.Measured
+    # exact path: fused one-shot up to 256 tokens, unfused above (max_fused 256)
+    rows = [M(64, 20, 10, None, 30), M(256, 40, 25, None, 20), M(512, 60, 70, None, 50),
+            M(1024, 100, 120, None, 110), M(2048, 180, 200, None, 120), M(4096, 340, 400, None, 200)]
+    # wins at 256 and 512, loses at 1024, wins from 2048 on: only 2048 counts
+    assert tuning.quantized_crossover(rows, oneshot_max=256, max_fused=256, world_size=2) == 2048
+    assert tuning.quantized_crossover(rows[:3], 256, 256, 2) == 256
+    never = [M(t, 10, 5, None, 50) for t in (64, 128)]
+    assert tuning.quantized_crossover(never, 128, 128, 2) is None
+    entry = {"max_fused_tokens": 256, "oneshot_max_tokens": 256, "quantized_min_tokens": {"fp8": 2048},
+             "measured": [dict(tokens=r.tokens, unfused_us=r.unfused_us, oneshot_us=r.oneshot_us,
+                               twoshot_us=r.twoshot_us, quantized_us=r.quantized_us) for r in rows]}
+    text = tuning.format_rows(entry)
+    assert "quantized fp8" in text.splitlines()[5] and "unfused" in text.splitlines()[4]
+    assert "fp8 quantized all-reduce from 2048 tokens" in text
+
+
 # ----------------------------------------------------------------- workspace lifecycle, 2 ranks
 
 
