@@ -30,6 +30,17 @@ the pass matches; only the quantized output and the residual are used):
   a0  the same with the all_reduce in place
   b   the function compiled with the pass (static shapes)
   c   arfusion's op with FlashInfer forced (per-group: FlashInfer's norm + one compiled quant kernel)
+
+With --quantized fp8 (writes bench_quantized_w<world>.json), the quantized all-reduce at prefill
+message sizes (--mib, per rank, hidden 4096: tokens = MiB * 2^20 / (4096 * 2)), bf16:
+  a0   NCCL all_reduce in place + torch.compile'd add+RMSNorm
+  c    arfusion's op with FlashInfer's exact fused kernel forced (it may decline: see c_dispatch)
+  b    the function compiled with the pass and quantized_allreduce="fp8" (static shapes): the
+       dispatch table and the quantized crossover decide, as for a user
+  q    arfusion's op with the quantized all-reduce forced (quantized_min_bytes=0)
+  fi_q FlashInfer's quantized_all_reduce called directly + the same compiled norm
+Each with what ran (stats()["dispatch"]) and the norm output's relative error against a0's. The
+exact path ("ex") is what arfusion takes without quantization: c where the table fuses, else a0.
 """
 
 from __future__ import annotations
@@ -45,6 +56,8 @@ import torch.distributed as dist
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048, 4096, 8192)
 EPS = 1e-6
+# No NVLink multicast anywhere (NCCL NVLS, torch symmetric memory, NVSHMEM): as .device/setup.sh.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def with_pass() -> dict:
@@ -129,6 +142,14 @@ def rel_err(got, want):
     return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
+def dispatch_since(before: dict) -> dict:
+    """arfusion.stats()["dispatch"] counts added since `before` (an earlier arfusion.stats())."""
+    import arfusion
+
+    old = before["dispatch"]
+    return {k: v - old.get(k, 0) for k, v in arfusion.stats()["dispatch"].items() if v != old.get(k, 0)}
+
+
 def init_distributed():
     """One process per GPU under torchrun; (rank, world, device, print-on-rank-0)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -201,9 +222,7 @@ def run(args):
             row["b_path"] = ("fused one-shot" if backend.use_oneshot(call) else "fused two-shot") if reason is None else "unfused"
             before = arfusion.stats()
             row["b_us"] = timed(lambda: model_b(x, res, weight))
-            after = arfusion.stats()
-            row["b_dispatch"] = {k: v - before["dispatch"].get(k, 0) for k, v in after["dispatch"].items()
-                                 if v != before["dispatch"].get(k, 0)}
+            row["b_dispatch"] = dispatch_since(before)
             want = reference.unfused(x, res, weight, EPS, gname, site)
             row["b_err"] = rel_err(model_b(x, res, weight)[0], want[1])
             if row["b_path"] == "unfused":
@@ -331,8 +350,7 @@ def run_quant(args):
             except Exception as e:
                 row["b_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             after = arfusion.stats()
-            row["b_dispatch"] = {k: v - before["dispatch"].get(k, 0) for k, v in after["dispatch"].items()
-                                 if v != before["dispatch"].get(k, 0)}
+            row["b_dispatch"] = dispatch_since(before)
             row["b_patterns"] = sorted(k for k, v in after["by_pattern"].items() if v != before["by_pattern"].get(k, 0))
             if nbytes <= dispatch.HARD_MAX_FUSED_BYTES:
                 forced = lambda: torch.ops.arfusion.fused_allreduce_rmsnorm(
@@ -356,6 +374,117 @@ def run_quant(args):
         print(f"wrote {path}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_quantized(args):
+    import importlib
+
+    import arfusion
+    from arfusion import tuning
+    from arfusion.backends import flashinfer_dispatch as dispatch
+    from arfusion.backends import get_backend
+    from arfusion.backends.base import Call, Site
+
+    os.environ.update(NO_MULTICAST)  # before any communicator or symmetric buffer exists
+    rank, world, device, say = init_distributed()
+    group, gname = dist.group.WORLD, dist.group.WORLD.group_name
+    backend = get_backend("flashinfer")  # FlashInfer's "trtllm" backend only: never "auto" / "mnnvl"
+    if isinstance(backend, str):
+        raise SystemExit(f"FlashInfer unavailable: {backend}")
+    fi_quantized = importlib.import_module("flashinfer.comm.quantized_allreduce").quantized_all_reduce
+    level, hidden = args.quantized, 4096
+    say(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, world {world}, hidden {hidden}, "
+        f"quantized {level}, MiB {args.mib}, calls/graph {args.calls or 'auto'}, replays {args.replays}", flush=True)
+    path = os.path.join(args.out, f"bench_quantized_w{world}.json")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": world, "hidden": hidden,
+            "level": level, "calls_per_graph": args.calls or "100 up to 8 MiB, else 20", "replays": args.replays}
+    norm_a = torch.compile(add_norm, dynamic=False)
+    model_b = torch.compile(make_model_fn(gname), dynamic=False, options=arfusion.inductor_options(
+        arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto", quantized_allreduce=level)))
+    g = torch.Generator(device=device)
+    g.manual_seed(17)
+    weight = (1 + 0.1 * torch.randn(hidden, device=device, generator=g)).to(torch.bfloat16)
+    rows, started = [], time.time()
+    for mib in args.mib:
+        t = int(mib * 2**20) // (hidden * 2)
+        nbytes = t * hidden * 2
+        calls = args.calls or (100 if nbytes <= 8 * 2**20 else 20)
+        g.manual_seed(1000 + rank)
+        x = torch.randn(t, hidden, device=device, dtype=torch.bfloat16, generator=g)
+        g.manual_seed(2000)
+        res = torch.randn(t, hidden, device=device, dtype=torch.bfloat16, generator=g)
+        x_inplace, reduced = x.clone(), x.clone()
+        dist.all_reduce(reduced, group=group)
+        want = norm_a(reduced, res, weight)[0]  # a0's norm output on fresh data
+        row = {"world": world, "hidden": hidden, "mib": mib, "tokens": t, "bytes_per_rank": nbytes}
+
+        def measure(key, fn, norm_at):
+            """row[key_us], the rel error of the norm output (fn()[norm_at]) vs a0's and what ran;
+            an error is the same on every rank (same shapes): recorded, the run goes on."""
+            before = arfusion.stats()
+            try:
+                row[f"{key}_us"] = tuning.time_in_graph(fn, group, calls, args.replays)
+                if norm_at is not None:
+                    row[f"{key}_err"] = rel_err(fn()[norm_at], want)
+            except Exception as e:
+                row[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if ran := dispatch_since(before):
+                row[f"{key}_dispatch"] = ran
+
+        def unfused_inplace():
+            dist.all_reduce(x_inplace, group=group)
+            return norm_a(x_inplace, res, weight)
+
+        measure("a0", unfused_inplace, None)  # x_inplace grows with every call: no error
+        measure("c", lambda: tuning.fused_step(x, res, weight, EPS, gname, dispatch.HARD_MAX_FUSED_BYTES), 1)
+        measure("b", lambda: model_b(x, res, weight), 0)
+        # q before fi_q: arfusion's collective warm-up makes FlashInfer's symmetric buffer at its
+        # largest size once, so the direct calls never grow it between captures.
+        measure("q", lambda: tuning.fused_step(x, res, weight, EPS, gname, -1, quantized=level), 1)
+        measure("fi_q", lambda: norm_a(fi_quantized(x, group), res, weight), 0)
+        call = Call(site=Site(residual=True, norm="rms"), tokens=t, hidden=hidden, dtype=torch.bfloat16,
+                    weight_dtype=torch.bfloat16, world_size=world, device=device, group_name=gname)
+        fuses = backend.why_not(call) is None
+        row["exact_path"] = ("fused one-shot" if backend.use_oneshot(call) else "fused two-shot") if fuses else "unfused"
+        row["exact_us"] = row.get("c_us" if fuses else "a0_us")
+        for name, num, den in (("q_vs_a0", "a0_us", "q_us"), ("q_vs_exact", "exact_us", "q_us"),
+                               ("b_vs_exact", "exact_us", "b_us"), ("fi_q_vs_q", "fi_q_us", "q_us")):
+            if row.get(num) and row.get(den):
+                row[name] = row[num] / row[den]
+        rows.append(row)
+        say(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        if rank == 0:  # after every row: a stage cut short still leaves its rows
+            os.makedirs(args.out, exist_ok=True)
+            with open(path, "w") as f:
+                json.dump({"meta": {**meta, "seconds": round(time.time() - started)}, "rows": rows}, f, indent=1)
+    dist.barrier()
+    backend.close()
+    if rank == 0:
+        print(format_quantized_table(rows))
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def format_quantized_table(rows):
+    """Speedups are time ratios (>1: the second one named is faster): a0/q, ex/q, ex/b, fi_q/q."""
+    lines = [f"{'MiB':>4} {'T':>5} {'a0 us':>8} {'c us':>8} {'b us':>8} {'q us':>8} {'fi_q us':>8} "
+             f"{'a0/q':>6} {'ex/q':>6} {'ex/b':>6} {'fi_q/q':>6} {'q err':>8}  exact path; b ran; c ran"]
+    for r in rows:
+        def us(key):
+            return f"{r[key]:8.1f}" if key in r else f"{'-':>8}"
+
+        def ratio(key):
+            return f"{r[key]:5.2f}x" if key in r else f"{'-':>6}"
+
+        def ran(key):
+            return ", ".join(f"{k} {v}" for k, v in r.get(f"{key}_dispatch", {}).items()) or r.get(f"{key}_error", "-")
+
+        err = f"{r['q_err']:8.1e}" if "q_err" in r else f"{'-':>8}"
+        lines.append(f"{r['mib']:>4g} {r['tokens']:>5} {us('a0_us')} {us('c_us')} {us('b_us')} {us('q_us')} "
+                     f"{us('fi_q_us')} {ratio('q_vs_a0')} {ratio('q_vs_exact')} {ratio('b_vs_exact')} "
+                     f"{ratio('fi_q_vs_q')} {err}  {r['exact_path']}; {ran('b')}; {ran('c')}")
+    return "\n".join(lines)
 
 
 def format_table(rows):
@@ -426,11 +555,17 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--quant", nargs="+", choices=("fp8_static", "fp8_dynamic", "fp8_group"),
                    help="quant rows instead (first --hidden only): NCCL + compiled add+RMSNorm+quant vs fused")
+    p.add_argument("--quantized", choices=("fp8",),
+                   help="quantized all-reduce rows instead (bench_quantized_w<world>.json): exact paths vs it")
+    p.add_argument("--mib", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
+                   help="per-rank message sizes of --quantized, MiB (hidden 4096, bf16)")
     p.add_argument("--plot", nargs="+", help="bench_w*.json files to plot instead of measuring")
     p.add_argument("--png", default="bench_fused_op.png")
     args = p.parse_args()
     if args.plot:
         plot(args.plot, args.png)
+    elif args.quantized:
+        run_quantized(args)
     elif args.quant:
         run_quant(args)
     else:

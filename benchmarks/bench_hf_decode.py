@@ -20,7 +20,11 @@ so a run cut short keeps what it measured):
             per step the logits' relative L2 error against eager and between on and off, and
             top-1 agreement (random weights make near ties common: both numbers, not one)
   prefill   one compiled (dynamic length) prefill captured per length (512, 2048), batch 1,
-            last-token logits as serving engines compute them; ms and tokens/s
+            last-token logits as serving engines compute them; ms and tokens/s. With
+            --quantized fp8 a third config, "quantized": the pass with quantized_allreduce="fp8"
+            (the backend's crossover decides per site), its speedups and how many of the op's
+            calls in one prefill ran the quantized all-reduce (on CPU the torch backend emulates
+            it at every size)
   kernels   PyTorch profiler over uncaptured compiled decode steps: kernels and GPU time per step,
             by kind (NCCL, fused all-reduce, Triton, GEMM, attention, other)
   loop      a plain decode loop with mode="reduce-overhead" (cudagraph trees), greedy, wall ms per
@@ -53,6 +57,7 @@ import torch._dynamo.utils
 
 import arfusion
 from arfusion.backends import get_backend
+from arfusion.config import QUANTIZED_LEVELS
 from arfusion.hf import tp_kwargs
 
 # Real models' shapes (random weights): Llama-3-8B, Qwen3-8B, Gemma-7B, Qwen3-30B-A3B, DeepSeek-V2-Lite.
@@ -160,6 +165,8 @@ class Bench:
         self.result = {"meta": {}, "phases": {}}
         self.started = time.time()
         self.pass_config = arfusion.PassConfig(enable_allreduce_fusion=True, backend=args.backend)
+        self.quantized_config = arfusion.PassConfig(enable_allreduce_fusion=True, backend=args.backend,
+                                                    quantized_allreduce=args.quantized)
         if self.rank == 0:  # what the pass fused and declined, one line per graph
             import logging
 
@@ -198,9 +205,10 @@ class Bench:
         self.compiled = {}
 
     def compile(self, name: str, reduce_overhead: bool = False):
-        """model compiled without ("off") or with ("on") the pass; per-compile options so both
-        coexist in one process."""
-        options = dict(arfusion.inductor_options(self.pass_config)) if name == "on" else {}
+        """model compiled without ("off") or with ("on") the pass, or with it and the quantized
+        all-reduce ("quantized"); per-compile options so they coexist in one process."""
+        config = {"on": self.pass_config, "quantized": self.quantized_config}.get(name)
+        options = dict(arfusion.inductor_options(config)) if config else {}
         if reduce_overhead and self.cuda:
             options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
         return torch.compile(self.model, options=options or None)
@@ -375,9 +383,7 @@ class Bench:
                 before = arfusion.stats()
                 step = lambda cache=cache: fn(input_ids=token, past_key_values=cache, use_cache=True).logits
                 row[f"{name}_ms"] = self.time_step(step, self.rewinder(cache, self.args.prompt))
-                after = arfusion.stats()
-                row[f"{name}_dispatch"] = {k: v - before["dispatch"].get(k, 0) for k, v in after["dispatch"].items()
-                                           if v != before["dispatch"].get(k, 0)}
+                row[f"{name}_dispatch"] = dispatch_since(before)
                 del cache
             row["speedup"] = round(row["off_ms"] / row["on_ms"], 3)
             row["gain_pct"] = round(100 * (1 - row["on_ms"] / row["off_ms"]), 1)
@@ -440,7 +446,8 @@ class Bench:
 
     def phase_prefill(self):
         rows = []
-        fns = {name: self.compile(name) for name in CONFIGS}  # its own graph: lengths dynamic
+        names = CONFIGS + (("quantized",) if self.args.quantized else ())
+        fns = {name: self.compile(name) for name in names}  # its own graph: lengths dynamic
         for length in self.args.prefill:
             ids = self.prompt(1, length, seed=3)
             torch._dynamo.mark_dynamic(ids, 1)
@@ -449,10 +456,23 @@ class Bench:
                 step = lambda: fn(input_ids=ids, use_cache=False, logits_to_keep=1).logits
                 row[f"{name}_ms"] = self.time_step(step, lambda: None, warmup=2)
                 row[f"{name}_tokens_per_s"] = round(length * 1e3 / row[f"{name}_ms"], 1)
+                before = arfusion.stats()  # what the op ran in one more (uncaptured) prefill
+                with torch.no_grad():
+                    step()
+                row[f"{name}_dispatch"] = dispatch_since(before)
             row["on_vs_off"] = round(row["on_ms"] / row["off_ms"], 4)
-            self.say(f"prefill {length}: off {row['off_ms']:.2f} ms, on {row['on_ms']:.2f} ms ({row['on_vs_off']:.3f}x time)")
+            row["on_speedup"] = round(row["off_ms"] / row["on_ms"], 3)
+            line = f"prefill {length}: off {row['off_ms']:.2f} ms, on {row['on_ms']:.2f} ms ({row['on_speedup']:.3f}x)"
+            if "quantized" in fns:
+                row["quantized_speedup"] = round(row["off_ms"] / row["quantized_ms"], 3)
+                row["quantized_vs_on"] = round(row["on_ms"] / row["quantized_ms"], 3)
+                row["quantized_calls"] = sum(v for k, v in row["quantized_dispatch"].items() if " quantized " in k)
+                row["op_calls"] = sum(row["quantized_dispatch"].values())
+                line += (f", {self.args.quantized} {row['quantized_ms']:.2f} ms ({row['quantized_speedup']:.3f}x, "
+                         f"{row['quantized_vs_on']:.3f}x vs on; {row['quantized_calls']}/{row['op_calls']} calls quantized)")
+            self.say(line)
             rows.append(row)
-        return {"rows": rows, "batch": 1}
+        return {"rows": rows, "batch": 1, "quantized": self.args.quantized}
 
     def phase_kernels(self):
         if not self.cuda:
@@ -632,6 +652,12 @@ class Bench:
         dist.destroy_process_group()
 
 
+def dispatch_since(before: dict) -> dict:
+    """arfusion.stats()["dispatch"] counts added since `before` (an earlier arfusion.stats())."""
+    old = before["dispatch"]
+    return {k: v - old.get(k, 0) for k, v in arfusion.stats()["dispatch"].items() if v != old.get(k, 0)}
+
+
 def format_table(result: dict) -> str:
     m, ph = result["meta"], result["phases"]
     lines = [f"{m['model_type']} {m['layers']} layers, hidden {m['hidden']}, TP={m['world']}, {m['device']}, "
@@ -642,9 +668,17 @@ def format_table(result: dict) -> str:
             lines.append(f"{'batch ' + str(r['batch']):<22} {r['off_ms']:9.3f} {r['on_ms']:9.3f} "
                          f"{r['gain_pct']:6.1f}% {r['on_tokens_per_s']:10.1f}")
     if "rows" in ph.get("prefill", {}):
+        level = ph["prefill"].get("quantized")
+        if level:
+            lines.append(f"{'prefill':<22} {'off ms':>9} {'on ms':>9} {'gain':>7} {'on tok/s':>10} {level + ' ms':>9} "
+                         f"{'vs off':>7} {'vs on':>7} {'quantized calls':>16}")
         for r in ph["prefill"]["rows"]:
-            lines.append(f"{'prefill ' + str(r['tokens']):<22} {r['off_ms']:9.3f} {r['on_ms']:9.3f} "
-                         f"{100 * (1 - r['on_vs_off']):6.1f}% {r['on_tokens_per_s']:10.1f}")
+            line = (f"{'prefill ' + str(r['tokens']):<22} {r['off_ms']:9.3f} {r['on_ms']:9.3f} "
+                    f"{100 * (1 - r['on_vs_off']):6.1f}% {r['on_tokens_per_s']:10.1f}")
+            if "quantized_ms" in r:
+                line += (f" {r['quantized_ms']:9.3f} {r['quantized_speedup']:6.3f}x {r['quantized_vs_on']:6.3f}x "
+                         f"{str(r['quantized_calls']) + '/' + str(r['op_calls']):>16}")
+            lines.append(line)
     if "summary" in ph.get("accuracy", {}):
         s = ph["accuracy"]["summary"]
         lines.append(f"accuracy ({ph['accuracy']['steps']} steps): on vs off max rel L2 {s['on_vs_off_max_rel_l2']:.2e}, "
@@ -731,6 +765,8 @@ def main(argv=None):
                         "projections scaled by 1/sqrt(2 * layers) (GPT-2's init, closer to trained models)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
+    p.add_argument("--quantized", choices=QUANTIZED_LEVELS,
+                   help="prefill also with the pass and this quantized all-reduce (fp8 on FlashInfer)")
     p.add_argument("--prompt", type=int, default=32, help="context tokens before the decode steps")
     p.add_argument("--steps", type=int, default=32, help="teacher-forced steps; also loop/generate tokens")
     p.add_argument("--replays", type=int, default=100, help="CUDA-graph replays per decode measurement")
@@ -754,6 +790,8 @@ def main(argv=None):
         return
     if args.tiny:
         args.prefill = [p for p in args.prefill if p <= 64] or [16, 64]
+    if args.quantized:  # never NVLink multicast (NCCL NVLS, torch symmetric memory): as .device/setup.sh
+        os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     Bench(args).run()
 
 

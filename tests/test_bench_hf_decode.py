@@ -19,17 +19,21 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hf_decode.py
 LAYERS = 2
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
+def run_tiny(out: Path, *args: str) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(BENCH),
-           "--tiny", "--layers", str(LAYERS), "--batches", "1", "4", "--prefill", "16", "--steps", "8",
-           "--replays", "20", "--strict", "--out", str(out), "--ckpt-dir", str(out), "--cache-root", str(out)]
+           "--tiny", "--layers", str(LAYERS), *args, "--strict", "--out", str(out), "--ckpt-dir", str(out),
+           "--cache-root", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     path = out / "decode_llama_w2.json"
     return {"json": json.loads(path.read_text()), "path": path, "stdout": done.stdout}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    return run_tiny(tmp_path_factory.mktemp("bench"), "--batches", "1", "4", "--prefill", "16", "--steps", "8",
+                    "--replays", "20")
 
 
 def test_every_phase_ran(result):
@@ -82,3 +86,17 @@ def test_plot(result, tmp_path):
     subprocess.run([sys.executable, str(BENCH), "--plot", str(result["path"]), "--png", str(png)], check=True,
                    capture_output=True, timeout=120)
     assert png.stat().st_size > 10_000
+
+
+def test_prefill_with_the_quantized_all_reduce(tmp_path):
+    """--quantized fp8: a third prefill config; on CPU the torch backend emulates the quantized
+    all-reduce at every size, so every site of the prefill runs it."""
+    ran = run_tiny(tmp_path, "--phases", "prefill", "--prefill", "16", "--quantized", "fp8", "--replays", "10")
+    prefill = ran["json"]["phases"]["prefill"]
+    assert prefill["quantized"] == "fp8" and [r["tokens"] for r in prefill["rows"]] == [16]
+    r, sites = prefill["rows"][0], 2 * LAYERS + 1
+    assert r["off_ms"] > 0 and r["on_ms"] > 0 and r["quantized_ms"] > 0 and r["quantized_vs_on"] > 0
+    assert r["off_dispatch"] == {} and r["on_dispatch"] == {"torch": sites}  # per prefill
+    assert r["quantized_dispatch"] == {"torch quantized fp8": sites}
+    assert r["quantized_calls"] == r["op_calls"] == sites
+    assert "calls quantized" in ran["stdout"] and "quantized calls" in ran["stdout"]

@@ -82,6 +82,14 @@ for s in "$@"; do
         --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT"
       stage moe2-dsv2 "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type deepseek_v2 \
         --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT" ;;
+    # Quantized all-reduce (issue 14 part 3): op level at 1-64 MiB per rank (bench_quantized_w2.json),
+    # then a Llama-3-8B-shaped prefill off / on / on + fp8 (decode_llama_w2_quantized.json).
+    # quantized2 runs both, one after the other (limits 200 + 390 s: near a 10-minute command with
+    # setup; where that is the cap, run qop2 and qprefill2 as two commands).
+    qop2) stage qop2 "${LIMIT:-200}" $TORCHRUN 2 benchmarks/bench_fused_op.py --quantized fp8 --out "$OUT" ;;
+    qprefill2) stage qprefill2 "${LIMIT:-390}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases prefill \
+      --prefill 512 2048 8192 --quantized fp8 --replays 30 --tag quantized --ckpt-dir /tmp/ckpt-a --out "$OUT" ;;
+    quantized2) bash "$0" qop2; bash "$0" qprefill2 ;;
     soak2) stage soak2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/soak.py --calls ${SOAK_CALLS:-10000} --out "$OUT/soak" ;;
     loop2) stage loop2 "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     loop2r) stage loop2r "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
