@@ -176,8 +176,10 @@ def compiled_vs_eager(model, inputs) -> dict:
 
 def cache_round(rank, world, ports, rec, cache_dir, name):
     """Compile a two-layer TP decoder (5 sites) with the pass and Inductor's FX graph cache on,
-    in a cache directory shared by both spawns: the first spawn fills it, the second hits it."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    in a cache directory shared by both spawns: the first spawn fills it, the second hits it.
+    One directory per rank: with a shared one, the rank that compiles second hits the entry the
+    other just wrote (seen under CI load), and the cold round would not be cold."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, f"rank{rank}")
     from .models import TinyDecoder
 
     torch.manual_seed(0)
