@@ -8,10 +8,19 @@ The signatures below are aiter's, copied as signatures only (names, order, defau
   V017:  amd-aiter 0.1.7.post2.dev18 (PyPI), aiter/dist/device_communicators/custom_all_reduce.py
   V_STAGE: ROCm/aiter commit 86a98ee, same file (use_1stage added, return order flipped)
   V_MAIN: ROCm/aiter main commit 03644e5, same file (gemma_norm, quant variants, IPCBufferPool)
+
+The quick all-reduce ("quickreduce") ops and its communicator module, likewise signatures only:
+  V017:  the 0.1.7.post2.dev18 wheel, aiter/ops/quick_all_reduce.py (star-imported into `aiter`)
+         and aiter/dist/device_communicators/quick_all_reduce.py (QuickReduceRegime)
+  V_MAIN: ROCm/aiter main (read at 4f5c2ba and 0c3e72b), the same two files; the fake's
+         qr_exchange_handles does what main's does (the code is this file's own)
+  V_STAGE: not read for the quick all-reduce, so the fake gives that version none.
 """
 
 from __future__ import annotations
 
+import ctypes
+import enum
 import functools
 import importlib.machinery
 import inspect
@@ -65,6 +74,54 @@ SIGNATURES = {V017: _Sig017, V_STAGE: _SigStage, V_MAIN: _SigMain}
 NORM_FIRST = {V017: False, V_STAGE: True, V_MAIN: True}
 
 
+# Module-level ops of `aiter` (aiter/ops/quick_all_reduce.py), per version.
+class _QrOps017:
+    @staticmethod
+    def init_custom_qr(rank, world_size, qr_max_size=None): ...  # -> int (the DeviceComms pointer)
+    @staticmethod
+    def qr_destroy(fa): ...
+    @staticmethod
+    def qr_all_reduce(fa, inp, out, quant_level, cast_bf2half=False): ...
+    @staticmethod
+    def qr_get_handle(fa): ...  # -> uint8 CPU tensor, sizeof(hipIpcMemHandle_t) = 64 bytes
+    @staticmethod
+    def qr_open_handles(fa, handles): ...  # handles: list[Tensor], one per rank in rank order
+    @staticmethod
+    def qr_max_size(): ...  # -> int
+
+
+class _QrOpsMain(_QrOps017):
+    @staticmethod
+    def init_custom_qr(rank, world_size, qr_max_size=None, quant_level=None): ...
+    @staticmethod
+    def qr_get_handle(fa, out_ptr): ...  # writes the 64-byte handle at host address out_ptr
+    @staticmethod
+    def qr_open_handles(fa, handle_ptrs): ...  # handle_ptrs: list[int], host addresses in rank order
+
+
+QR_SIGNATURES = {V017: _QrOps017, V_MAIN: _QrOpsMain}
+# aiter.dist.device_communicators.quick_all_reduce.QuickReduceRegime
+QR_REGIMES = {
+    V017: {"FP": 0, "FP8": 1, "INT6": 2, "INT4": 3, "NONE": 4},
+    V_MAIN: {"FP": 0, "FP8": 1, "INT6": 2, "INT4": 3, "INT3": 4, "NONE": 5},
+}
+QR_HANDLE_BYTES = 64
+QR_DEFAULT_MAX = 2 ** 31  # qr_max_size(): INT32_MAX + 1
+_QR_MAGIC = 0xA7
+
+
+def qr_handle(rank: int, world_size: int) -> torch.Tensor:
+    """The fake IPC handle of a rank's buffer: 64 bytes that name the rank."""
+    handle = torch.zeros(QR_HANDLE_BYTES, dtype=torch.uint8)
+    handle[:3] = torch.tensor([_QR_MAGIC, rank, world_size], dtype=torch.uint8)
+    return handle
+
+
+def qr_handle_owner(raw: bytes) -> tuple[int, int] | None:
+    """(rank, world size) a fake handle names, or None for anything else."""
+    return (raw[1], raw[2]) if len(raw) == QR_HANDLE_BYTES and raw[0] == _QR_MAGIC else None
+
+
 # --- a quant both the fake kernels and the tests' reference quant use ---------------------
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
@@ -101,6 +158,8 @@ class FakeAiter:
     calls: list[tuple[str, tuple, dict]] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     instances: list[Any] = field(default_factory=list)
+    quick_reduce: bool = True  # give the versions that have one their quick all-reduce
+    qr_comms: dict[int, dict] = field(default_factory=dict)  # pointer -> the fake DeviceComms
 
     # ---- simulated math: every rank holds the same x, so the sum is world_size * x
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,6 +246,116 @@ class FakeAiter:
             namespace[name] = self._checked(name, impl)
         return type("CustomAllreduce", (), namespace)
 
+    # ---- quick all-reduce: module-level ops, checked like aiter's own wrapper and kernel do
+
+    def _contract(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.violations.append(message)
+            raise TypeError(message)
+
+    def _qr_comm(self, name: str, fa: Any, opened: bool = True) -> dict:
+        comm = self.qr_comms.get(fa) if isinstance(fa, int) else None
+        self._contract(comm is not None and not comm["destroyed"], f"{name}: {fa!r} is no live quick all-reduce")
+        self._contract(comm["opened"] or not opened, f"{name}: peer buffers were never opened")
+        return comm
+
+    def _qr_open(self, name: str, comm: dict, raws: list[bytes]) -> None:
+        owners = [qr_handle_owner(raw) for raw in raws]
+        expected = [(r, comm["world"]) for r in range(comm["world"])]
+        self._contract(owners == expected, f"{name}: handles name {owners}, expected {expected} (rank order)")
+        comm["opened"] = True
+
+    def _qr_ops(self) -> dict[str, Callable]:
+        fake, ints = self, lambda *v: all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        regimes = QR_REGIMES[self.version]
+
+        def init_custom_qr(rank, world_size, qr_max_size=None, quant_level=None):
+            fake._contract(ints(rank, world_size), "init_custom_qr: rank and world_size must be ints")
+            fake._contract(qr_max_size is None or ints(qr_max_size), "init_custom_qr: qr_max_size: int or None")
+            if world_size > 8 or world_size == 6 or world_size % 2 or not 0 <= rank < world_size:
+                raise ValueError(f"init_custom_qr: rank {rank} of world size {world_size} not supported")
+            ptr = 0x7F0000001000 + 0x1000 * len(fake.qr_comms)
+            fake.qr_comms[ptr] = {"rank": rank, "world": world_size, "opened": False, "destroyed": False,
+                                  "max": qr_max_size if qr_max_size and qr_max_size > 0 else QR_DEFAULT_MAX}
+            return ptr
+
+        def qr_destroy(fa):
+            fake._qr_comm("qr_destroy", fa, opened=False)["destroyed"] = True
+
+        def qr_all_reduce(fa, inp, out, quant_level, cast_bf2half=False):
+            comm = fake._qr_comm("qr_all_reduce", fa)
+            fake._contract(ints(quant_level) and quant_level in regimes.values() and quant_level != regimes["NONE"],
+                           f"qr_all_reduce: quant_level must be a QuickReduceRegime value as int, got {quant_level!r}")
+            fake._contract(isinstance(cast_bf2half, bool), f"qr_all_reduce: cast_bf2half must be bool, got {cast_bf2half!r}")
+            fake._contract(inp.dtype == out.dtype and inp.numel() == out.numel(), "qr_all_reduce: inp/out differ")
+            fake._contract(inp.dtype in (torch.float16, torch.bfloat16), f"qr_all_reduce: dtype {inp.dtype}")
+            nbytes = inp.numel() * inp.element_size()
+            fake._contract(0 < nbytes <= comm["max"] and nbytes % 16 == 0, f"qr_all_reduce: {nbytes} bytes")
+            out.copy_(fake.reduce(inp).view(out.shape))
+
+        def qr_get_handle(fa, out_ptr=None):
+            comm = fake._qr_comm("qr_get_handle", fa, opened=False)
+            handle = qr_handle(comm["rank"], comm["world"])
+            if fake.version == V017:
+                return handle
+            fake._contract(ints(out_ptr), "qr_get_handle: out_ptr must be a host address (int)")
+            ctypes.memmove(out_ptr, bytes(handle.tolist()), QR_HANDLE_BYTES)
+
+        def qr_open_handles(fa, handles):
+            comm = fake._qr_comm("qr_open_handles", fa, opened=False)
+            fake._contract(isinstance(handles, list), "qr_open_handles: needs a list")
+            if fake.version == V017:
+                fake._contract(all(isinstance(h, torch.Tensor) for h in handles), "qr_open_handles: tensors")
+                raws = [bytes(h.tolist()) for h in handles]
+            else:
+                fake._contract(ints(*handles), "qr_open_handles: host addresses (ints)")
+                raws = [ctypes.string_at(h, QR_HANDLE_BYTES) for h in handles]
+            fake._qr_open("qr_open_handles", comm, raws)
+
+        def qr_max_size():
+            return QR_DEFAULT_MAX
+
+        return {"init_custom_qr": init_custom_qr, "qr_destroy": qr_destroy, "qr_all_reduce": qr_all_reduce,
+                "qr_get_handle": qr_get_handle, "qr_open_handles": qr_open_handles, "qr_max_size": qr_max_size}
+
+    def _checked_function(self, name: str, impl: Callable) -> Callable:
+        """A module-level op bound against its documented signature before the fake runs."""
+        stub = getattr(QR_SIGNATURES[self.version], name)
+        signature = inspect.signature(stub)
+
+        @functools.wraps(stub)
+        def op(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as e:
+                self.violations.append(f"{name}: {e}")
+                raise
+            if self.behaviour.get(name) == "raise":
+                raise RuntimeError(f"fake {name} failure")
+            return impl(*args, **kwargs)
+
+        return op
+
+    def qr_exchange_handles(self, ptr, world_size, group):
+        """main's helper: this rank's handle into a 64-byte host tensor, gathered as objects over
+        `group`, then every rank's buffer opened by the gathered tensors' host addresses."""
+        self.calls.append(("qr_exchange_handles", (ptr, world_size, group), {}))
+        ops = sys.modules["aiter"]
+        mine = torch.empty(QR_HANDLE_BYTES, dtype=torch.uint8, device="cpu")
+        ops.qr_get_handle(ptr, mine.data_ptr())
+        gathered = [None] * world_size
+        torch.distributed.all_gather_object(gathered, mine, group=group)
+        ops.qr_open_handles(ptr, [t.data_ptr() for t in gathered])
+
+    def simulated_all_gather_object(self, out: list, obj: Any, group=None) -> None:
+        """dist.all_gather_object for one process standing in for the whole group: the other
+        ranks' entries are their fake handles."""
+        self.calls.append(("all_gather_object", (len(out), group), {}))
+        rank, world = qr_handle_owner(bytes(obj.tolist()))
+        for i in range(len(out)):
+            out[i] = obj if i == rank else qr_handle(i, world)
+
     def modules(self) -> dict[str, types.ModuleType]:
         """sys.modules entries for `aiter` and the submodules arfusion reads."""
         def module(name: str, **attrs) -> types.ModuleType:
@@ -200,7 +369,7 @@ class FakeAiter:
         if self.version == V_MAIN:
             custom_ar.IPCBufferPool = type("IPCBufferPool", (), {})
         dtypes = module("aiter.utility.dtypes", fp8=self.fp8)
-        return {
+        found = {
             "aiter": module("aiter", __version__=self.version),
             "aiter.utility": module("aiter.utility", dtypes=dtypes),
             "aiter.utility.dtypes": dtypes,
@@ -208,6 +377,15 @@ class FakeAiter:
             "aiter.dist.device_communicators": module("aiter.dist.device_communicators"),
             "aiter.dist.device_communicators.custom_all_reduce": custom_ar,
         }
+        if self.quick_reduce and self.version in QR_SIGNATURES:
+            for name, impl in self._qr_ops().items():
+                setattr(found["aiter"], name, self._checked_function(name, impl))
+            qr = module("aiter.dist.device_communicators.quick_all_reduce",
+                        QuickReduceRegime=enum.Enum("QuickReduceRegime", QR_REGIMES[self.version]))
+            if self.version == V_MAIN:
+                qr.qr_exchange_handles = self.qr_exchange_handles
+            found[qr.__name__] = qr
+        return found
 
     def install(self, monkeypatch) -> None:
         for name, m in self.modules().items():

@@ -12,6 +12,11 @@ does not fit; that counts as "stage unavailable", as does an exception. Every ch
 only values that are the same on every rank (shapes, dtypes, world size, arch, aiter
 version, environment), so all ranks of a group take the same path.
 
+Opt-in quantized all-reduce (`PassConfig(quantized_allreduce=...)`): aiter's quick all-reduce
+("quickreduce": `aiter.init_custom_qr` / `qr_all_reduce`, FP8, INT6 or INT4 payload), one per
+group, set up collectively on the first eager call that wants it; the fused op then runs the
+compiled add + RMSNorm (+ quant) after it. See "quick all-reduce" below.
+
 aiter is never imported when this module is imported. `unavailable()` imports it only
 after the ROCm build, the package and the GPU arch have been checked: on a non-ROCm torch,
 `import aiter` raises RuntimeError and leaves half-loaded modules behind.
@@ -23,8 +28,12 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import hashlib
 import inspect
+import logging
 import os
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +43,8 @@ import torch.distributed as dist
 from .. import reference
 from ..config import QUANT_FORMS
 from .base import Backend, Call, Capabilities, flatten_tokens, outside_graph_pools
+
+log = logging.getLogger("arfusion")
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -88,11 +99,47 @@ class AiterLimits:
     per_token_quant_hidden: tuple[int, ...] = (512, 1024, 2048, 4096, 7168)
     per_token_quant_max_bytes: int = 4 * MIB
 
+    # Quick all-reduce (QR = aiter/dist/device_communicators/quick_all_reduce.py, QuickAllReduce,
+    # and csrc/kernels/quick_all_reduce.cu, in the 0.1.7.post2.dev18 wheel and ROCm/aiter main).
+    # QR _SUPPORTED_DTYPES; the kernel throws on anything else.
+    quick_reduce_dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+    # QR _SUPPORTED_WORLD_SIZES; init_custom_qr throws for > 8, 6 and odd sizes.
+    quick_reduce_world_sizes: tuple[int, ...] = (2, 4, 8)
+    # QR _should_hip: input bytes % 16 == 0 (main's qr_all_reduce throws otherwise).
+    quick_reduce_align_bytes: int = 16
+    # qr_max_size(): INT32_MAX + 1 = 2 GiB, the largest message (inclusive, _should_hip `<=`) when
+    # init_custom_qr gets no qr_max_size. The buffer it allocates per rank is twice that (4 GiB,
+    # uncached); QUICK_REDUCE_MAX_SIZE_ENV (aiter's own variable, MiB) makes both smaller.
+    quick_reduce_default_max_bytes: int = 2048 * MIB
+    # QR _QR_MIN_SIZE (0.1.7), MiB per rank from which aiter itself uses the quick all-reduce
+    # (inclusive, `>=`), by (kernel dtype, world size); the kernel dtype is fp16 for bf16 input
+    # when cast_bf2half is on (QUICK_REDUCE_CAST_ENV, default on). aiter says these are "based on
+    # kernel tests": its crossover against its own custom all-reduce. arfusion uses them as its
+    # crossover UNMEASURED against its fused all-reduce + RMSNorm kernel (no AMD GPU here).
+    # ROCm/aiter main (0c3e72b) has the same numbers except (fp16, 8) int4: 8 MiB there.
+    quick_reduce_min_mib: dict[tuple[torch.dtype, int], dict[str, int]] = field(default_factory=lambda: {
+        (torch.float16, 2): {"fp8": 2, "int6": 2, "int4": 1},
+        (torch.float16, 4): {"fp8": 16, "int6": 4, "int4": 2},
+        (torch.float16, 8): {"fp8": 4, "int6": 4, "int4": 2},
+        (torch.bfloat16, 2): {"fp8": 8, "int6": 8, "int4": 8},
+        (torch.bfloat16, 4): {"fp8": 64, "int6": 64, "int4": 16},
+        (torch.bfloat16, 8): {"fp8": 2048, "int6": 2048, "int4": 2048},
+    })
+
 
 LIMITS = AiterLimits()
 
 DISABLE_QUANT_ENV = "ARFUSION_DISABLE_AITER_QUANT"
 CUSTOM_AR_MODULE = "aiter.dist.device_communicators.custom_all_reduce"
+QUICK_REDUCE_MODULE = "aiter.dist.device_communicators.quick_all_reduce"
+# aiter's own environment variables for its QuickAllReduce, read with the same defaults.
+QUICK_REDUCE_CAST_ENV = "AITER_QUICK_REDUCE_CAST_BF16_TO_FP16"  # int, default 1: bf16 runs fp16 kernels
+QUICK_REDUCE_MAX_SIZE_ENV = "AITER_QUICK_REDUCE_MAX_SIZE_BYTES_MB"  # int MiB, <= 0 or unset: 2 GiB
+# arfusion level -> QuickReduceRegime member. aiter has no INT8 codec: its level 1 is FP8.
+QUICK_REDUCE_REGIMES = {"fp8": "FP8", "int6": "INT6", "int4": "INT4"}
+# What arfusion calls on the `aiter` module (aiter/ops/quick_all_reduce.py, star-imported there).
+QUICK_REDUCE_OPS = ("init_custom_qr", "qr_destroy", "qr_all_reduce", "qr_get_handle", "qr_open_handles",
+                    "qr_max_size")
 
 # Stage names, as logged.
 FUSED_QUANT = "one-kernel all-reduce+RMSNorm+quant"
@@ -383,6 +430,207 @@ def create_communicator(custom_ar: Any, group_name: str, device: torch.device) -
     return comm
 
 
+# ---------------------------------------------------------------- quick all-reduce (quantized, opt-in)
+
+
+@dataclass(frozen=True)
+class QuickReduceApi:
+    """The installed aiter's quick all-reduce, read once.
+
+    Handle exchange (IPC handles of each rank's buffer, over a non-NCCL group):
+    * "helper": ROCm/aiter main has `qr_exchange_handles(ptr, world_size, group)` in the
+      communicator module (`qr_get_handle(fa, out_ptr)` / `qr_open_handles(fa, handle_ptrs)`
+      take raw host pointers there), and arfusion calls it;
+    * "tensors": amd-aiter 0.1.7 has `qr_get_handle(fa) -> Tensor` and
+      `qr_open_handles(fa, handles: list[Tensor])` with `dist.all_gather_object` in between.
+    """
+
+    ops: Any  # the `aiter` module: init_custom_qr, qr_all_reduce, ...
+    module: Any  # aiter.dist.device_communicators.quick_all_reduce
+    levels: dict  # arfusion level -> QuickReduceRegime value, read by member name
+    exchange: str  # "helper" or "tensors"
+
+
+def _positional_params(fn: Any) -> list[str] | None:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+@functools.cache
+def quick_reduce_api() -> QuickReduceApi | str:
+    """The quick all-reduce of the installed aiter, or why there is none. Call only after
+    `detect` accepted the GPU (that is what makes importing aiter safe)."""
+    try:
+        ops = importlib.import_module("aiter")
+    except Exception as e:  # a broken install raises anything
+        return f"import aiter failed: {type(e).__name__}: {e}"
+    missing = [name for name in QUICK_REDUCE_OPS if not callable(getattr(ops, name, None))]
+    if missing:
+        return f"this aiter has no quick all-reduce ({', '.join(missing)} missing)"
+    try:
+        module = importlib.import_module(QUICK_REDUCE_MODULE)
+    except Exception as e:
+        return f"aiter's quick all-reduce module did not import: {type(e).__name__}: {e}"
+    regime = getattr(module, "QuickReduceRegime", None)
+    levels = {}
+    for level, member in QUICK_REDUCE_REGIMES.items():
+        value = getattr(getattr(regime, "__members__", {}).get(member), "value", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            levels[level] = value
+    if callable(getattr(module, "qr_exchange_handles", None)):
+        exchange = "helper"
+    elif _positional_params(ops.qr_get_handle) in (["fa"], None):
+        exchange = "tensors"
+    else:
+        return (f"unknown quick all-reduce handle exchange: qr_get_handle takes "
+                f"{_positional_params(ops.qr_get_handle)} and {QUICK_REDUCE_MODULE} has no qr_exchange_handles")
+    return QuickReduceApi(ops=ops, module=module, levels=levels, exchange=exchange)
+
+
+@dataclass(frozen=True)
+class QuickReduceEnv:
+    """aiter's own QuickAllReduce settings, from its environment variables (same on every rank)."""
+
+    cast_bf16: bool  # qr_all_reduce's cast_bf2half: bf16 input runs the fp16 kernels
+    max_bytes: int  # largest message, inclusive
+    qr_max_size: int | None  # what init_custom_qr gets: None is aiter's default (2 GiB)
+
+
+def quick_reduce_env() -> QuickReduceEnv | str:
+    """Read like aiter's QuickAllReduce.init_quick_all_reduce does (int(), same defaults)."""
+    try:
+        cast = int(os.environ.get(QUICK_REDUCE_CAST_ENV, "1"))
+    except ValueError:
+        return f"{QUICK_REDUCE_CAST_ENV}={os.environ[QUICK_REDUCE_CAST_ENV]!r} is not an integer"
+    try:
+        max_mib = int(os.environ.get(QUICK_REDUCE_MAX_SIZE_ENV, "0"))
+    except ValueError:
+        return f"{QUICK_REDUCE_MAX_SIZE_ENV}={os.environ[QUICK_REDUCE_MAX_SIZE_ENV]!r} is not an integer"
+    if max_mib > 0:
+        return QuickReduceEnv(cast_bf16=bool(cast), max_bytes=max_mib * MIB, qr_max_size=max_mib * MIB)
+    return QuickReduceEnv(cast_bf16=bool(cast), max_bytes=LIMITS.quick_reduce_default_max_bytes, qr_max_size=None)
+
+
+def quick_reduce_kernel_dtype(dtype: torch.dtype, env: QuickReduceEnv) -> torch.dtype:
+    """The dtype aiter's kernel computes in (the key of its threshold table)."""
+    return torch.float16 if dtype == torch.float16 or env.cast_bf16 else dtype
+
+
+@dataclass
+class _QuickReduceGroup:
+    """The quick all-reduce of one process group."""
+
+    ptr: int | None = None  # aiter's DeviceComms, set up and with every peer's buffer open
+    destroy: Any = None  # aiter.qr_destroy, kept so close() needs no import
+    failed: str | None = None  # the same on every rank of the group; never retried
+
+
+# Collectives of the set-up, over the group's gloo twin (CPU tensors). Small functions, so the
+# tests can stand in for the other ranks.
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _gather_ints(values: list[int], group) -> list[list[int]]:
+    mine = torch.tensor(values, dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    return [row.tolist() for row in rows]
+
+
+def _all_agree(ok: bool, group) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _host_hash() -> int:
+    return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], "little") >> 1
+
+
+def _open_peer_buffers(api: QuickReduceApi, ptr: int, handle: Any, world_size: int, group) -> None:
+    """The collective part of the handle exchange (every rank calls it, or none does)."""
+    if api.exchange == "helper":
+        api.module.qr_exchange_handles(ptr, world_size, group)
+        return
+    handles = [None] * world_size
+    dist.all_gather_object(handles, handle, group=group)
+    api.ops.qr_open_handles(ptr, handles)
+
+
+def set_up_quick_reduce(state: _QuickReduceGroup, group_name: str, world_size: int) -> str | None:
+    """Collective over the group (its gloo twin); every rank returns a verdict of the same kind
+    (None, or a failure that all ranks record), so no rank waits in a kernel or a collective
+    its peers never enter:
+
+    1. each rank checks what it can alone (aiter's quick all-reduce, its settings) and all
+       ranks compare that and their host: a group spanning nodes has no HIP IPC;
+    2. init_custom_qr (allocates 2 x qr_max_size of uncached device memory; on 0.1.7 the IPC
+       handle is read here too, so nothing local can fail inside step 3's collective), agreed;
+    3. the handle exchange (a collective), then each rank opens its peers' buffers, agreed.
+
+    A communicator that failed after step 2 is left allocated: aiter's qr_destroy closes the
+    peers' IPC handles, which were never opened. One that completed step 3 on a rank whose
+    peer failed there is freed with qr_destroy, as aiter's own close() does.
+    """
+    started = time.perf_counter()
+    try:
+        group = gloo_twin(_resolve_group(group_name))
+        rank, size = _rank_and_size(group)
+    except Exception as e:
+        state.failed = f"aiter quick all-reduce set-up failed: {type(e).__name__}: {e}"
+        return state.failed
+    api, env = quick_reduce_api(), quick_reduce_env()
+    local = api if isinstance(api, str) else env if isinstance(env, str) else None
+    if local is None and size != world_size:
+        local = f"the group's gloo twin has {size} ranks, not {world_size}"
+    rows = _gather_ints([0 if local else 1, _host_hash()], group)
+    if local or any(row[0] == 0 for row in rows):
+        state.failed = local or "aiter's quick all-reduce is unavailable on another rank of the group (see its log)"
+        return state.failed
+    if len({row[1] for row in rows}) > 1:
+        state.failed = "the group spans nodes: aiter's quick all-reduce exchanges HIP IPC handles, one node only"
+        return state.failed
+
+    ptr = handle = error = None
+    try:
+        ptr = api.ops.init_custom_qr(rank, size, env.qr_max_size)
+        if api.exchange == "tensors":
+            handle = api.ops.qr_get_handle(ptr)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    if not _all_agree(error is None, group):
+        state.failed = f"aiter init_custom_qr failed: {error or 'on another rank of the group'}"
+        if ptr is not None:
+            _log_once(f"arfusion: aiter quick all-reduce of group {group_name} left allocated after a failed set-up")
+        return state.failed
+
+    try:
+        _open_peer_buffers(api, ptr, handle, size, group)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    if not _all_agree(error is None, group):
+        state.failed = f"aiter quick all-reduce handle exchange failed: {error or 'on another rank of the group'}"
+        if error is None:
+            try:
+                api.ops.qr_destroy(ptr)
+            except Exception:
+                pass
+        else:
+            _log_once(f"arfusion: aiter quick all-reduce of group {group_name} left allocated after a failed set-up")
+        return state.failed
+
+    state.ptr, state.destroy = ptr, api.ops.qr_destroy
+    log.info("arfusion: aiter quick all-reduce for group %s (world %d) ready in %.1fs (messages up to %d MiB, "
+             "%s handle exchange)", group_name, size, time.perf_counter() - started, env.max_bytes // MIB,
+             api.exchange)
+    return None
+
+
 # ---------------------------------------------------------------- the stages
 
 
@@ -470,8 +718,11 @@ class AiterBackend(Backend):
         # Forms without a kernel use stage 2. Not NVFP4: aiter has MXFP4 (E8M0 scales per 32),
         # not NVFP4, and no AMD GPU consumes NVFP4 activations.
         quants=frozenset({"none", *QUANT_FORMS} - {"nvfp4"}),
+        # aiter's quick all-reduce codecs (QuickReduceRegime FP8, INT6, INT4); no INT8.
+        quantized_levels=frozenset(QUICK_REDUCE_REGIMES),
     ))
     _communicators: dict[str, Any] = field(default_factory=dict, repr=False)
+    _quick_reduce: dict[str, _QuickReduceGroup] = field(default_factory=dict, repr=False)
 
     def _detected(self, device: torch.device) -> Detected | str:
         if device.type != "cuda":
@@ -559,12 +810,89 @@ class AiterBackend(Backend):
             self._communicators[call.group_name] = comm
         return comm
 
+    # ------------------------------------------------------------- quick all-reduce (quantized)
+
+    def quantized_why_not(self, call: Call, level: str, min_bytes_override: int | None = None) -> str | None:
+        if level not in QUICK_REDUCE_REGIMES:
+            return (f"aiter's quick all-reduce has no {level} codec (its QuickReduceRegime levels are FP8, "
+                    f"INT6 and INT4; level 1 is FP8, not INT8): choose one of {sorted(QUICK_REDUCE_REGIMES)}")
+        return super().quantized_why_not(call, level, min_bytes_override)
+
+    def quantized_problem(self, call: Call, level: str) -> str | None:
+        """What QuickAllReduce._should_hip and the kernel accept (the arch is `detect`'s)."""
+        if call.dtype not in LIMITS.quick_reduce_dtypes:
+            return f"aiter's quick all-reduce takes float16 or bfloat16, not {call.dtype}"
+        if call.world_size not in LIMITS.quick_reduce_world_sizes:
+            return (f"aiter's quick all-reduce takes world sizes {list(LIMITS.quick_reduce_world_sizes)}, "
+                    f"not {call.world_size}")
+        api = quick_reduce_api()
+        if isinstance(api, str):
+            return api
+        if level not in api.levels:
+            return f"this aiter's QuickReduceRegime has no {QUICK_REDUCE_REGIMES[level]} member"
+        env = quick_reduce_env()
+        if isinstance(env, str):
+            return env
+        if call.nbytes is not None:
+            if call.nbytes == 0:
+                return "no tokens"
+            if call.nbytes % LIMITS.quick_reduce_align_bytes:
+                return (f"{call.nbytes} bytes per rank is not a multiple of {LIMITS.quick_reduce_align_bytes} "
+                        "(aiter's quick all-reduce)")
+            if call.nbytes > env.max_bytes:
+                return f"{call.nbytes} bytes per rank > {env.max_bytes} (aiter's quick all-reduce buffer)"
+        return None
+
+    def quantized_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
+        env = quick_reduce_env()
+        if isinstance(env, str):
+            return None, env
+        kernel = quick_reduce_kernel_dtype(call.dtype, env)
+        mib = LIMITS.quick_reduce_min_mib.get((kernel, call.world_size), {}).get(level)
+        name = str(kernel).removeprefix("torch.")
+        if mib is None:
+            return None, f"no aiter quick all-reduce threshold for {level}, {name} kernels, world size {call.world_size}"
+        return mib * MIB, (f"aiter's own quick all-reduce threshold, _QR_MIN_SIZE[({name}, {call.world_size})] "
+                           f"{QUICK_REDUCE_REGIMES[level]} = {mib} MiB: measured by aiter against its custom "
+                           "all-reduce, not against arfusion's fused kernel (no AMD GPU here)")
+
+    def prepare_quantized(self, call: Call, level: str) -> str | None:
+        """The group's quick all-reduce, set up once on an eager call (collective), or why not.
+        One communicator serves every level: the level is an argument of each call."""
+        state = self._quick_reduce.setdefault(call.group_name, _QuickReduceGroup())
+        if state.failed or state.ptr is not None:
+            return state.failed
+        if _capturing():
+            return ("aiter's quick all-reduce is never set up during CUDA-graph capture: run the model "
+                    "once eagerly first")
+        return outside_graph_pools(
+            call.device, lambda: set_up_quick_reduce(state, call.group_name, call.world_size))
+
+    def quantized_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
+        api, env = quick_reduce_api(), quick_reduce_env()
+        out = torch.empty_like(x)
+        api.ops.qr_all_reduce(self._quick_reduce[call.group_name].ptr, x, out, api.levels[level],
+                              env.cast_bf16)
+        return out
+
     def close(self) -> None:
         """Free aiter's buffers (collective: call on every rank, at teardown)."""
         for comm in self._communicators.values():
             if not isinstance(comm, str):
                 comm.close()
         self._communicators.clear()
+        live = [s for s in self._quick_reduce.values() if s.ptr is not None]
+        if live and torch.cuda.is_available():
+            try:
+                torch.cuda.synchronize()  # no quick all-reduce still reading the buffers
+            except Exception:
+                pass
+        for state in live:
+            try:
+                state.destroy(state.ptr)
+            except Exception:  # interpreter shutdown may have torn aiter down already
+                pass
+        self._quick_reduce.clear()
 
 
 def _inputs(x, residual, weight, eps, quant_scale) -> _Inputs:
