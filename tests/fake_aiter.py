@@ -286,7 +286,8 @@ class FakeAiter:
             comm = fake._qr_comm("qr_all_reduce", fa)
             fake._contract(ints(quant_level) and quant_level in regimes.values() and quant_level != regimes["NONE"],
                            f"qr_all_reduce: quant_level must be a QuickReduceRegime value as int, got {quant_level!r}")
-            fake._contract(isinstance(cast_bf2half, bool), f"qr_all_reduce: cast_bf2half must be bool, got {cast_bf2half!r}")
+            fake._contract(isinstance(cast_bf2half, bool),
+                           f"qr_all_reduce: cast_bf2half must be bool, got {cast_bf2half!r}")
             fake._contract(inp.dtype == out.dtype and inp.numel() == out.numel(), "qr_all_reduce: inp/out differ")
             fake._contract(inp.dtype in (torch.float16, torch.bfloat16), f"qr_all_reduce: dtype {inp.dtype}")
             nbytes = inp.numel() * inp.element_size()

@@ -205,6 +205,7 @@ def test_bytes_must_be_a_multiple_of_16(qr_env, tokens, ok):
 
 def test_largest_message_default_and_from_aiters_env(qr_env, monkeypatch):
     qr_env(V_MAIN, world_size=2)
+    assert ab.LIMITS.quick_reduce_default_max_bytes == QR_DEFAULT_MAX == 2048 * MIB  # aiter's qr_max_size()
     backend = ab.AiterBackend()
     at_max = sized(2048 * MIB, FP16)
     assert backend.quantized_why_not(at_max, "int4") is None  # inclusive, as aiter's `<=`

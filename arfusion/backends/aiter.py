@@ -851,7 +851,8 @@ class AiterBackend(Backend):
         mib = LIMITS.quick_reduce_min_mib.get((kernel, call.world_size), {}).get(level)
         name = str(kernel).removeprefix("torch.")
         if mib is None:
-            return None, f"no aiter quick all-reduce threshold for {level}, {name} kernels, world size {call.world_size}"
+            return None, (f"no aiter quick all-reduce threshold for {level}, {name} kernels, "
+                          f"world size {call.world_size}")
         return mib * MIB, (f"aiter's own quick all-reduce threshold, _QR_MIN_SIZE[({name}, {call.world_size})] "
                            f"{QUICK_REDUCE_REGIMES[level]} = {mib} MiB: measured by aiter against its custom "
                            "all-reduce, not against arfusion's fused kernel (no AMD GPU here)")
