@@ -282,6 +282,25 @@ def run(args):
     dist.destroy_process_group()
 
 
+def save_rows(rank, out_dir, path, meta, started, rows):
+    """Rank 0 rewrites the JSON after every row: a stage cut short still leaves its rows."""
+    if rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"meta": {**meta, "seconds": round(time.time() - started)}, "rows": rows}, f, indent=1)
+
+
+def finish(rank, backend, table, path):
+    """Free FlashInfer's buffers on every rank, print the table, end the process group."""
+    dist.barrier()
+    backend.close()
+    if rank == 0:
+        print(table)
+        print(f"wrote {path}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_quant(args):
     import arfusion
     from arfusion import quant, reference, tuning
@@ -363,17 +382,8 @@ def run_quant(args):
                     row["c_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             say(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-            if rank == 0:  # after every row: a stage cut short still leaves its rows
-                os.makedirs(args.out, exist_ok=True)
-                with open(path, "w") as f:
-                    json.dump({"meta": {**meta, "seconds": round(time.time() - started)}, "rows": rows}, f, indent=1)
-    dist.barrier()
-    backend.close()
-    if rank == 0:
-        print(format_table(rows))
-        print(f"wrote {path}")
-    dist.barrier()
-    dist.destroy_process_group()
+            save_rows(rank, args.out, path, meta, started, rows)
+    finish(rank, backend, format_table(rows), path)
 
 
 def run_quantized(args):
@@ -453,17 +463,8 @@ def run_quantized(args):
                 row[name] = row[num] / row[den]
         rows.append(row)
         say(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-        if rank == 0:  # after every row: a stage cut short still leaves its rows
-            os.makedirs(args.out, exist_ok=True)
-            with open(path, "w") as f:
-                json.dump({"meta": {**meta, "seconds": round(time.time() - started)}, "rows": rows}, f, indent=1)
-    dist.barrier()
-    backend.close()
-    if rank == 0:
-        print(format_quantized_table(rows))
-        print(f"wrote {path}")
-    dist.barrier()
-    dist.destroy_process_group()
+        save_rows(rank, args.out, path, meta, started, rows)
+    finish(rank, backend, format_quantized_table(rows), path)
 
 
 def format_quantized_table(rows):

@@ -26,7 +26,7 @@ from arfusion.backends.base import Call
 
 from .fake_aiter import QR_DEFAULT_MAX, V017, V_MAIN, V_STAGE, FakeAiter
 from .test_aiter_backend import CUDA, GROUP, call, simulate_rocm
-from .test_numerics_gloo import run_workers
+from .test_numerics_gloo import collect_from_ranks
 
 MIB = 1024 * 1024
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -401,7 +401,7 @@ def test_op_after_a_failed_set_up_takes_the_exact_path(qr_env):
 # ---------------------------------------------------------------- two real gloo ranks
 
 
-def _two_ranks(rank, path):
+def _two_ranks(rank):
     """Each scenario on 2 gloo ranks (real collectives), the fake aiter in each process."""
     import arfusion.backends.aiter as ab_
 
@@ -440,15 +440,12 @@ def _two_ranks(rank, path):
         # threads abort the process at exit (seen about once in 25 runs before this).
         del fake, backend
         gc.collect()
-    with open(f"{path}.{rank}", "w") as f:
-        json.dump(out, f)
+    return out
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("quick_reduce") / "out")
-    run_workers(_two_ranks, 2, path)
-    return [json.load(open(f"{path}.{rank}")) for rank in range(2)]
+    return collect_from_ranks(_two_ranks, 2, tmp_path_factory.mktemp("quick_reduce"))
 
 
 def test_two_ranks_set_up_with_each_versions_exchange(two_ranks):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -21,6 +22,19 @@ def free_port() -> int:
 
 def run_workers(fn, world: int, *args) -> None:
     mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def collect_from_ranks(fn, world: int, tmp_dir) -> list[dict]:
+    """fn(rank) -> a JSON-able dict, run on `world` gloo ranks in one spawn; the dicts by rank."""
+    path = str(tmp_dir / "out")
+    run_workers(_write_result, world, fn, path)
+    return [json.load(open(f"{path}.{rank}")) for rank in range(world)]
+
+
+def _write_result(rank, fn, path):
+    result = fn(rank)
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(result, f)
 
 
 def _worker(rank, world, port, fn, args):

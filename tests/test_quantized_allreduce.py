@@ -20,7 +20,7 @@ from arfusion.backends.base import Call, Site
 from arfusion.backends.torch_ref import TorchBackend
 from arfusion.config import QUANTIZED_ENV, QUANTIZED_LEVELS, PassConfig
 
-from .test_numerics_gloo import run_workers
+from .test_numerics_gloo import collect_from_ranks
 
 MiB = 1 << 20
 BF16 = torch.bfloat16
@@ -293,19 +293,16 @@ def _fallback_when_missing(rank, out):
             sys.modules[name] = saved
 
 
-def _all_cases(rank, path):
+def _all_cases(rank):
     out = {}
     for case in (_end_to_end, _fallback_when_missing):
         case(rank, out)
-    with open(f"{path}.{rank}", "w") as f:
-        json.dump(out, f)
+    return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("quantized") / "out")
-    run_workers(_all_cases, 2, path)
-    return [json.load(open(f"{path}.{rank}")) for rank in range(2)]
+    return collect_from_ranks(_all_cases, 2, tmp_path_factory.mktemp("quantized"))
 
 
 @pytest.mark.parametrize("level", QUANTIZED_LEVELS)

@@ -28,7 +28,6 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-import hashlib
 import inspect
 import logging
 import os
@@ -42,7 +41,9 @@ import torch.distributed as dist
 
 from .. import reference
 from ..config import QUANT_FORMS
-from .base import Backend, Call, Capabilities, flatten_tokens, outside_graph_pools
+from .base import Backend, Call, Capabilities, flatten_tokens, hash63, outside_graph_pools
+# A module name of its own, so tests can stand in for the collective.
+from .base import all_ranks_agree as _all_agree
 
 log = logging.getLogger("arfusion")
 
@@ -542,16 +543,6 @@ def _gather_ints(values: list[int], group) -> list[list[int]]:
     return [row.tolist() for row in rows]
 
 
-def _all_agree(ok: bool, group) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def _host_hash() -> int:
-    return int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:8], "little") >> 1
-
-
 def _open_peer_buffers(api: QuickReduceApi, ptr: int, handle: Any, world_size: int, group) -> None:
     """The collective part of the handle exchange (every rank calls it, or none does)."""
     if api.exchange == "helper":
@@ -588,7 +579,7 @@ def set_up_quick_reduce(state: _QuickReduceGroup, group_name: str, world_size: i
     local = api if isinstance(api, str) else env if isinstance(env, str) else None
     if local is None and size != world_size:
         local = f"the group's gloo twin has {size} ranks, not {world_size}"
-    rows = _gather_ints([0 if local else 1, _host_hash()], group)
+    rows = _gather_ints([0 if local else 1, hash63(socket.gethostname())], group)
     if local or any(row[0] == 0 for row in rows):
         state.failed = local or "aiter's quick all-reduce is unavailable on another rank of the group (see its log)"
         return state.failed

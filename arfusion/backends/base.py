@@ -8,12 +8,14 @@ path and a collective kernel is never entered by only some of them.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
+import torch.distributed as dist
 
 T = TypeVar("T")
 
@@ -265,3 +267,16 @@ def on_helper_thread(fn: Callable[[], T]) -> T:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def hash63(text: str) -> int:
+    """A stable integer that fits an int64 tensor, to compare strings across ranks."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def all_ranks_agree(ok: bool, group, device: torch.device = torch.device("cpu")) -> bool:
+    """True on every rank if `ok` is true on every rank of `group` (a collective; `device` is
+    where the group's backend communicates: the GPU for NCCL, the CPU for gloo)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -46,7 +45,8 @@ import torch.distributed as dist
 
 from .. import quant
 from . import flashinfer_dispatch as dispatch
-from .base import NORM_FORMS, Backend, Call, Capabilities, flatten_tokens, outside_graph_pools
+from .base import (NORM_FORMS, Backend, Call, Capabilities, all_ranks_agree, flatten_tokens, hash63,
+                   outside_graph_pools)
 
 log = logging.getLogger("arfusion")
 
@@ -98,11 +98,6 @@ def _capturing() -> bool:
 @functools.cache
 def _has_cuda() -> bool:
     return torch.cuda.is_available()
-
-
-def _hash63(text: str) -> int:
-    """A stable integer that fits an int64 tensor, to compare strings across ranks."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 def _flashinfer_version() -> str:
@@ -264,7 +259,7 @@ class FlashInferBackend(Backend):
         local_problem = _build_kernels()
         facts = [] if local_problem else _rank_facts(_device_index(call.device))
         verdict = _group_verdict(local_problem, facts, group, comm_device)
-        if not _all_agree(verdict is None, group, comm_device):
+        if not all_ranks_agree(verdict is None, group, comm_device):
             state.failed = verdict or "another rank of the group cannot use FlashInfer (see its log)"
             return state.failed
 
@@ -278,7 +273,7 @@ class FlashInferBackend(Backend):
                 max_token_num=max_tokens, hidden_dim=call.hidden, dtype=call.dtype, group=group)
         except Exception as e:  # reported below, after every rank has said how it went
             error = f"{type(e).__name__}: {e}"
-        if not _all_agree(error is None, group, comm_device):
+        if not all_ranks_agree(error is None, group, comm_device):
             if workspace is not None:
                 workspace.destroy()
             state.failed = f"FlashInfer workspace creation failed: {error or 'on another rank'}"
@@ -424,7 +419,7 @@ class FlashInferBackend(Backend):
             module = importlib.import_module("flashinfer.comm.quantized_allreduce")
         except Exception as e:
             problem = f"flashinfer.comm.quantized_allreduce unavailable: {type(e).__name__}: {e}"
-        if not _all_agree(problem is None, group, comm_device):
+        if not all_ranks_agree(problem is None, group, comm_device):
             state.quantized_failed = problem or "the quantized all-reduce is unavailable on another rank"
             return state.quantized_failed
         try:
@@ -433,7 +428,7 @@ class FlashInferBackend(Backend):
             del warm
         except Exception as e:  # e.g. no symmetric memory (no NVSwitch / P2P): every rank learns below
             problem = f"FlashInfer quantized all-reduce set-up failed: {type(e).__name__}: {e}"
-        if not _all_agree(problem is None, group, comm_device):
+        if not all_ranks_agree(problem is None, group, comm_device):
             state.quantized_failed = problem or "FlashInfer quantized all-reduce set-up failed on another rank"
             return state.quantized_failed
         state.quantized_ready = True
@@ -526,15 +521,15 @@ _FACTS = ("host", "device_uuid", "sm", "table")
 
 def _rank_facts(index: int) -> list[int]:
     facts = device_facts(index)
-    return [_hash63(socket.gethostname()), _hash63(facts.uuid), facts.sm[0] * 10 + facts.sm[1],
-            _hash63(dispatch.table_hash())]
+    return [hash63(socket.gethostname()), hash63(facts.uuid), facts.sm[0] * 10 + facts.sm[1],
+            hash63(dispatch.table_hash())]
 
 
 def _group_verdict(local_problem: str | None, facts: list[int], group, comm_device) -> str | None:
     """None if this rank sees no reason against using FlashInfer with this group.
 
     Gathers every rank's facts (a failed rank sends zeros), so the checks below see the same
-    data on every rank; only the P2P query is local, and `_all_agree` settles that.
+    data on every rank; only the P2P query is local, and `all_ranks_agree` settles that.
     """
     mine = torch.tensor([0 if local_problem else 1, *(facts or [0] * len(_FACTS))],
                         dtype=torch.int64, device=comm_device)
@@ -558,7 +553,7 @@ def _group_verdict(local_problem: str | None, facts: list[int], group, comm_devi
 
 
 def _p2p_problem(peer_uuid_hashes: list[int]) -> str | None:
-    local_by_uuid = {_hash63(device_facts(i).uuid): i for i in range(torch.cuda.device_count())}
+    local_by_uuid = {hash63(device_facts(i).uuid): i for i in range(torch.cuda.device_count())}
     me = torch.cuda.current_device() if local_by_uuid else -1
     for peer in peer_uuid_hashes:
         index = local_by_uuid.get(peer)
@@ -569,9 +564,3 @@ def _p2p_problem(peer_uuid_hashes: list[int]) -> str | None:
         if index != me and not torch.cuda.can_device_access_peer(me, index):
             return f"no P2P access between GPU {me} and GPU {index}"
     return None
-
-
-def _all_agree(ok: bool, group, comm_device) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=comm_device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
