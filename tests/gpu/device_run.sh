@@ -90,6 +90,17 @@ for s in "$@"; do
     qprefill2) stage qprefill2 "${LIMIT:-390}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases prefill \
       --prefill 512 2048 8192 --quantized fp8 --replays 30 --tag quantized --ckpt-dir /tmp/ckpt-a --out "$OUT" ;;
     quantized2) bash "$0" qop2; bash "$0" qprefill2 ;;
+    # Issue 14's trained-model accuracy where only one GPU is lent: train the default model on the GPU,
+    # then evaluate it at TP=2 on the machine's CPUs (gloo, torch backend: exact, and each quantized
+    # level emulated in the format of the GPU kernels). The GPU TP=2 evaluation is acc2.
+    trainacc1)
+      stage train1 "${LIMIT:-200}" python benchmarks/train_tiny_llama.py --out /tmp/ckpt-acc --steps ${STEPS:-800}
+      cp /tmp/ckpt-acc/train_meta.json "$OUT/accuracy_gpu_train_meta.json" 2>/dev/null
+      OMP_NUM_THREADS=${THREADS:-8} stage cpuacc2 "${EVAL_LIMIT:-380}" $TORCHRUN 2 benchmarks/eval_accuracy.py \
+        --model /tmp/ckpt-acc --cpu --seqs ${SEQS:-32} --out "$OUT" --configs eager compiled arfusion_exact \
+        arfusion_fp8 arfusion_int8 arfusion_int6 arfusion_int4 ;;
+    acc2) stage acc2 "${LIMIT:-300}" $TORCHRUN 2 benchmarks/eval_accuracy.py --model /tmp/ckpt-acc --out "$OUT" \
+      --configs eager compiled arfusion_exact arfusion_fp8 ;;
     soak2) stage soak2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/soak.py --calls ${SOAK_CALLS:-10000} --out "$OUT/soak" ;;
     loop2) stage loop2 "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     loop2r) stage loop2r "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
