@@ -45,6 +45,11 @@ import sys
 import time
 from typing import Callable, Optional
 
+if "--cpu" in sys.argv:
+    # transformers' TP initialisation moves each rank to its accelerator whenever one is visible
+    # (set_device(LOCAL_RANK) fails on a one-GPU machine), so hide CUDA before torch looks.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import torch
 import torch.distributed as dist
 
