@@ -134,7 +134,7 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=800)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--heldout-pct", type=int, default=5)

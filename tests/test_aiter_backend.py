@@ -568,17 +568,47 @@ def test_one_communicator_per_group(rocm_env):
     assert backend._communicators == {}
 
 
+def test_a_recreated_group_gets_a_new_communicator(rocm_env, monkeypatch):
+    """destroy_process_group + init_process_group hand the name out again for other peers: the old
+    communicator (IPC buffers of the old peers) must not serve the new group. Failed before the
+    fix: one __init__, the new group reduced through the old group's communicator."""
+    fake = rocm_env("gfx950", V_MAIN)
+    live = {GROUP: object()}  # what torch's registry resolves the name to
+    monkeypatch.setattr(ab, "_resolve_group", lambda name: live[name])
+    monkeypatch.setattr(ab, "gloo_twin", lambda group: ("gloo", group))
+    backend = ab.AiterBackend()
+    run_and_expect(backend, call())
+    run_and_expect(backend, call(tokens=9))
+    first = live[GROUP]
+    live[GROUP] = object()  # the same name, a new ProcessGroup
+    run_and_expect(backend, call())
+    inits = [args for name, args, _ in fake.calls if name == "__init__"]
+    assert [group for group, *_ in inits] == [("gloo", first), ("gloo", live[GROUP])]
+    assert len(backend._communicators.stale) == 1  # kept for graphs captured before, closed at close()
+    backend.close()
+    assert backend._communicators == {} and backend._communicators.stale == []
+
+
 # ---------------------------------------------------------------- the gloo twin group
 
 
 def test_gloo_twin_reuses_gloo_and_creates_one_per_rank_set(monkeypatch):
     created = []
     backends = {"g": "gloo", "n1": "nccl", "n2": "nccl"}
-    ranks = {"g": [0, 1], "n1": [0, 1], "n2": [0, 1]}
+    ranks = {"g": [0, 1], "n1": [0, 1], "n2": [0, 1]}  # the live groups, as torch's registry
+
+    def new_group(r, **kw):
+        created.append((r, kw))
+        ranks[name := f"gloo{len(created)}"] = r
+        return name
+
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group: backends[group])
     monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: ranks[group])
-    monkeypatch.setattr(torch.distributed, "new_group",
-                        lambda r, **kw: created.append((r, kw)) or f"gloo{tuple(r)}")
+    monkeypatch.setattr(torch.distributed, "new_group", new_group)
     assert ab.gloo_twin("g") == "g"
-    assert ab.gloo_twin("n1") == ab.gloo_twin("n2") == "gloo(0, 1)"
+    assert ab.gloo_twin("n1") == ab.gloo_twin("n2") == "gloo1"
     assert created == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})]
+    # destroy_process_group takes the twin with it: the next set-up on those ranks makes a new one
+    # (before, the destroyed twin was handed out again and aiter's handle exchange failed on it).
+    del ranks["gloo1"]
+    assert ab.gloo_twin("n1") == "gloo2" and len(created) == 2

@@ -227,6 +227,23 @@ def test_unreadable_aiter_env_is_declined(qr_env, monkeypatch, name, value):
 # ---------------------------------------------------------------- set-up
 
 
+def test_a_recreated_group_sets_up_again(qr_env, monkeypatch):
+    """The same name resolving to a new ProcessGroup (destroyed and re-created) gets its own quick
+    all-reduce: the old one's buffers hold the old peers' handles. Failed before the fix."""
+    fake = qr_env(V_MAIN)
+    live = {"tp0": object()}
+    monkeypatch.setattr(ab, "_resolve_group", lambda name: live[name])
+    backend = ab.AiterBackend()
+    c = sized(64 * MIB)
+    assert backend.prepare_quantized(c, "fp8") is None
+    assert backend.prepare_quantized(c, "fp8") is None
+    live["tp0"] = object()
+    assert backend.prepare_quantized(c, "fp8") is None
+    assert qr_names(fake).count("init_custom_qr") == 2
+    backend.close()
+    assert sum(comm["destroyed"] for comm in fake.qr_comms.values()) == 2  # the replaced one too
+
+
 @pytest.mark.parametrize("version", [V017, V_MAIN])
 def test_set_up_once_per_group_with_the_versions_handle_exchange(qr_env, version):
     fake = qr_env(version, world_size=4)

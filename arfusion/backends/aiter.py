@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .. import reference
 from ..config import QUANT_FORMS
-from .base import Backend, Call, Capabilities, flatten_tokens, hash63, outside_graph_pools
+from .base import Backend, Call, Capabilities, PerGroup, flatten_tokens, group_is_live, hash63, outside_graph_pools
 # A module name of its own, so tests can stand in for the collective.
 from .base import all_ranks_agree as _all_agree
 
@@ -406,11 +406,12 @@ def gloo_twin(group):
 
     Created once per rank set, by the member ranks only (use_local_synchronization): other
     TP groups' ranks are at their own first call, with their own ranks, at the same time.
+    Again after destroy_process_group, which destroys the twin with everything else.
     """
     if dist.get_backend(group) == dist.Backend.GLOO:
         return group
     ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _gloo_groups:
+    if ranks not in _gloo_groups or not group_is_live(_gloo_groups[ranks]):
         _gloo_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return _gloo_groups[ranks]
 
@@ -712,8 +713,12 @@ class AiterBackend(Backend):
         # aiter's quick all-reduce codecs (QuickReduceRegime FP8, INT6, INT4); no INT8.
         quantized_levels=frozenset(QUICK_REDUCE_REGIMES),
     ))
-    _communicators: dict[str, Any] = field(default_factory=dict, repr=False)
-    _quick_reduce: dict[str, _QuickReduceGroup] = field(default_factory=dict, repr=False)
+    # Per group, renewed when the name comes to mean another group (see PerGroup). The lambdas
+    # look _resolve_group up at each call, so tests can stand in for it.
+    _communicators: PerGroup = field(default_factory=lambda: PerGroup(
+        lambda: None, resolve=lambda name: _resolve_group(name)), repr=False)
+    _quick_reduce: PerGroup = field(default_factory=lambda: PerGroup(
+        _QuickReduceGroup, resolve=lambda name: _resolve_group(name)), repr=False)
 
     def _detected(self, device: torch.device) -> Detected | str:
         if device.type != "cuda":
@@ -789,11 +794,11 @@ class AiterBackend(Backend):
 
     def _ready_communicator(self, call: Call) -> Any:
         """The group's CustomAllreduce (created on its first eager call), or why there is none."""
-        comm = self._communicators.get(call.group_name)
+        found = self._detected(call.device)
+        if isinstance(found, str):
+            return found
+        comm = self._communicators.current(call.group_name)
         if comm is None:
-            found = self._detected(call.device)
-            if isinstance(found, str):
-                return found
             if _capturing():
                 return "aiter set-up is not done during CUDA graph capture; run one eager step first"
             comm = outside_graph_pools(
@@ -851,7 +856,7 @@ class AiterBackend(Backend):
     def prepare_quantized(self, call: Call, level: str) -> str | None:
         """The group's quick all-reduce, set up once on an eager call (collective), or why not.
         One communicator serves every level: the level is an argument of each call."""
-        state = self._quick_reduce.setdefault(call.group_name, _QuickReduceGroup())
+        state = self._quick_reduce.current(call.group_name)
         if state.failed or state.ptr is not None:
             return state.failed
         if _capturing():
@@ -869,11 +874,11 @@ class AiterBackend(Backend):
 
     def close(self) -> None:
         """Free aiter's buffers (collective: call on every rank, at teardown)."""
-        for comm in self._communicators.values():
-            if not isinstance(comm, str):
+        for comm in self._communicators.everything():
+            if comm is not None and not isinstance(comm, str):
                 comm.close()
         self._communicators.clear()
-        live = [s for s in self._quick_reduce.values() if s.ptr is not None]
+        live = [s for s in self._quick_reduce.everything() if s.ptr is not None]
         if live and torch.cuda.is_available():
             try:
                 torch.cuda.synchronize()  # no quick all-reduce still reading the buffers

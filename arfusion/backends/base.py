@@ -280,3 +280,57 @@ def all_ranks_agree(ok: bool, group, device: torch.device = torch.device("cpu"))
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def resolve_group(group_name: str):
+    """The live ProcessGroup of that name, or None (no such group: unit tests' made-up names)."""
+    try:
+        return dist.distributed_c10d._resolve_process_group(group_name)
+    except RuntimeError:
+        return None
+
+
+def group_is_live(group) -> bool:
+    """False once destroy_process_group has removed `group` (its object may still be held)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+class PerGroup(dict):
+    """Backend state per process group, looked up by the group's name.
+
+    Names are handed out again: destroy_process_group + init_process_group make a new "0" with
+    other peers, and a graph compiled before resolves the name when it runs. State made for the
+    old group (buffers opened from the old peers' IPC handles) would then reduce with the old
+    peers, silently. So each entry remembers the ProcessGroup it was made for, and a name that
+    now resolves to another one gets fresh state; the replaced entry moves to `stale` (graphs
+    captured earlier may still point into its buffers) and is freed with the rest at close().
+    """
+
+    def __init__(self, make: Callable[[], Any], resolve: Callable[[str], Any] = resolve_group):
+        super().__init__()
+        self.make, self.resolve = make, resolve
+        self.stale: list = []
+        self._made_for: dict[str, Any] = {}
+
+    def current(self, group_name: str):
+        """The state of the group the name resolves to now; made on first use."""
+        group = self.resolve(group_name)
+        if group_name in self and self._made_for[group_name] != group:  # ProcessGroup: by identity
+            self.stale.append(self.pop(group_name))
+        if group_name not in self:
+            self[group_name] = self.make()
+            self._made_for[group_name] = group
+        return self[group_name]
+
+    def everything(self) -> list:
+        """Current and stale states: what close() frees."""
+        return [*self.values(), *self.stale]
+
+    def clear(self) -> None:
+        super().clear()
+        self.stale.clear()
+        self._made_for.clear()

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .. import quant
 from . import flashinfer_dispatch as dispatch
-from .base import (NORM_FORMS, Backend, Call, Capabilities, all_ranks_agree, flatten_tokens, hash63,
+from .base import (NORM_FORMS, Backend, Call, Capabilities, PerGroup, all_ranks_agree, flatten_tokens, hash63,
                    outside_graph_pools)
 
 log = logging.getLogger("arfusion")
@@ -111,7 +111,6 @@ def _flashinfer_version() -> str:
 class _GroupState:
     """FlashInfer resources of one process group."""
 
-    group: Any = None  # the ProcessGroup these resources were made for
     workspace: Any = None
     capacity_elems: int = 0  # input elements per rank the workspace holds
     failed: str | None = None  # set on every rank at once; the group then stays unfused
@@ -140,8 +139,7 @@ class FlashInferBackend(Backend):
     launch_with_pdl: bool = True
     fp32_acc: bool = True
     force_oneshot: bool | None = None  # benchmarks only: override the table's switch
-    _groups: dict = field(default_factory=dict, repr=False)
-    _stale: list = field(default_factory=list, repr=False)  # states of destroyed groups, freed at close()
+    _groups: PerGroup = field(default_factory=lambda: PerGroup(_GroupState), repr=False)
 
     def __post_init__(self) -> None:
         atexit.register(self.close)
@@ -212,7 +210,7 @@ class FlashInferBackend(Backend):
     # ------------------------------------------------------------- run time
 
     def prepare(self, call: Call, max_bytes_override: int | None = None) -> str | None:
-        state = self._state(call.group_name)
+        state = self._groups.current(call.group_name)
         if state.failed:
             return state.failed
         if not self._fits(state, call):
@@ -230,20 +228,6 @@ class FlashInferBackend(Backend):
             state.zeros[call.dtype] = outside_graph_pools(
                 call.device, lambda: torch.zeros(state.capacity_elems, dtype=call.dtype, device=call.device))
         return None
-
-    def _state(self, group_name: str) -> _GroupState:
-        """The group's state; a fresh one when the name now resolves to another ProcessGroup
-        (destroy_process_group + init_process_group hand out the same names again)."""
-        try:
-            group = dist.distributed_c10d._resolve_process_group(group_name)
-        except RuntimeError:  # no such group (unit tests' made-up names): key by the name alone
-            group = None
-        state = self._groups.get(group_name)
-        if state is None or state.group is not group:
-            if state is not None:
-                self._stale.append(state)  # graphs may still point into its workspaces
-            state = self._groups[group_name] = _GroupState(group=group)
-        return state
 
     def _fits(self, state: _GroupState, call: Call) -> bool:
         ws = state.workspace
@@ -399,7 +383,7 @@ class FlashInferBackend(Backend):
         return None
 
     def prepare_quantized(self, call: Call, level: str) -> str | None:
-        state = self._state(call.group_name)
+        state = self._groups.current(call.group_name)
         if state.quantized_failed or state.quantized_ready:
             return state.quantized_failed
         if _capturing():
@@ -451,14 +435,14 @@ class FlashInferBackend(Backend):
     def close(self) -> None:
         """Free every workspace. Called at exit; call it earlier (on every rank, after the last
         fused call) to free the memory sooner."""
-        if not any(s.workspace is not None for s in [*self._groups.values(), *self._stale]):
+        if not any(s.workspace is not None for s in self._groups.everything()):
             return
         try:
             torch.cuda.synchronize()
             release = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_destroy_ipc_workspace_for_all_reduce_fusion
         except Exception:  # interpreter shutdown may have torn CUDA or the module down already
             release = None
-        for state in [*self._groups.values(), *self._stale]:
+        for state in self._groups.everything():
             for ws in [state.workspace, *state.retired]:
                 if ws is None:
                     continue
@@ -469,7 +453,6 @@ class FlashInferBackend(Backend):
                 except Exception:
                     pass
         self._groups.clear()
-        self._stale.clear()
 
 
 def _fp4_scale_factor(global_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
