@@ -62,7 +62,8 @@ def stats() -> dict:
     it first runs). unfused_sites counts the all_reduces the pass left, why_not their reasons,
     and unfused_on_callers_stream those now run as a blocking all-reduce on the caller's stream
     (GPU); these three come from the pass, so a cache hit adds nothing to them. Likewise
-    summed_all_reduces_merged (AR(a) + AR(b) rewritten as AR(a + b): one collective fewer each)
+    summed_all_reduces_merged (AR(a) + AR(b) rewritten as AR(a + b): one collective fewer each;
+    gated_all_reduces_merged of them with a factor, AR(a) + f * AR(b) -> AR(a + f * b))
     and sums_moved_before_all_reduce (sum(AR(x)) rewritten as AR(sum(x))).
     moe_combines_fused counts the fused sites whose op also took in the MoE top-k combine in
     front of the all-reduce (arfusion::moe_combine_allreduce_rmsnorm), counted like fused_sites.
@@ -77,6 +78,7 @@ def stats() -> dict:
             "unfused_on_callers_stream": _left["on_callers_stream"],
             "why_not": dict(_why_not),
             "summed_all_reduces_merged": _collectives["summed_all_reduces_merged"],
+            "gated_all_reduces_merged": _collectives["gated_all_reduces_merged"],
             "sums_moved_before_all_reduce": _collectives["sums_moved_before_all_reduce"],
             "moe_combines_fused": len(_moe_combines),
             "dispatch": dict(_dispatch),

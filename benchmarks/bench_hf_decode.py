@@ -85,7 +85,8 @@ TINY_MOE = {
                         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
                         qk_rope_head_dim=16, v_head_dim=32),
 }
-REWRITE_COUNTS = ("fused_sites", "unfused_sites", "summed_all_reduces_merged", "sums_moved_before_all_reduce",
+REWRITE_COUNTS = ("fused_sites", "unfused_sites", "summed_all_reduces_merged", "gated_all_reduces_merged",
+                  "sums_moved_before_all_reduce",
                   "moe_combines_fused")
 PHASES = ("startup", "decode", "accuracy", "prefill", "kernels", "loop", "generate")
 CONFIGS = ("off", "on")

@@ -454,7 +454,8 @@ def summary(rows: list[dict]) -> dict:
 ROW_HEADER = ("| model type | sites (counter) | fused | other AR shapes / look-alikes | all-reduces rewritten "
               "| err pass vs compile | err compile vs eager | why not |")
 # stats() counters of the MoE rewrites, and how the table names them
-REWRITES = {"summed_all_reduces_merged": "merged", "sums_moved_before_all_reduce": "sum moved before",
+REWRITES = {"summed_all_reduces_merged": "merged", "gated_all_reduces_merged": "of them gated",
+            "sums_moved_before_all_reduce": "sum moved before",
             "moe_combines_fused": "top-k combine fused"}
 
 

@@ -68,8 +68,9 @@ class ReplicatedSharedExpert(nn.Module):
     residual. gated: Qwen3-Next / Qwen3.5-MoE all-reduce the shared expert too and scale it by a
     replicated sigmoid gate first."""
 
-    def __init__(self, gated=False, dtype=torch.bfloat16):
+    def __init__(self, gated=False, dtype=torch.bfloat16, residual=True):
         super().__init__()
+        self.residual = residual
         self.routed = nn.Linear(H, H, bias=False, dtype=dtype)
         self.shared = nn.Linear(H, H, bias=False, dtype=dtype)
         self.gate = nn.Linear(H, 1, bias=False, dtype=dtype)
@@ -84,19 +85,36 @@ class ReplicatedSharedExpert(nn.Module):
         if self.gated:
             dist.all_reduce(shared)
             shared = torch.sigmoid(self.gate(flat)) * shared
-        h = residual + (routed + shared).view(x.shape)
+        h = (routed + shared).view(x.shape)
+        h = residual + h if self.residual else h
         return NORMS["hf_llama"][0](h, self.weight, 1e-6), h
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_a_term_added_after_the_all_reduce_folds_into_the_residual(fake_pg, gated):
-    fused, left, actual, expected, stats = run(ReplicatedSharedExpert(gated=gated))
-    assert len(fused) == 1 and stats["fused_sites"] == 1
-    # The gated shared expert keeps its own all-reduce (the gate commutes with it only if it
-    # is the same on every rank, which the graph cannot show).
-    assert left == (1 if gated else 0)
+def test_a_replicated_term_added_after_the_all_reduce_folds_into_the_residual(fake_pg):
+    fused, left, actual, expected, stats = run(ReplicatedSharedExpert())
+    assert len(fused) == 1 and stats["fused_sites"] == 1 and left == 0
     for a, e in zip(actual, expected):  # the terms are summed in another order: within their rounding
         assert_close(a, e, torch.bfloat16, "folded")
+
+
+def test_a_gated_all_reduced_term_merges_into_one_all_reduce(fake_pg):
+    """Qwen3-Next: AR(routed) + sigmoid(x W_g) * AR(shared) -> AR(routed + sigmoid(x W_g) * shared):
+    the sum goes into the residual stream, so the gate is the same on every rank."""
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(ReplicatedSharedExpert(gated=True))
+    assert left == 0 and len(fused) == 1 and stats["fused_sites"] == 1
+    assert stats["summed_all_reduces_merged"] == 1 and stats["gated_all_reduces_merged"] == 1
+    for a, e in zip(actual, expected):
+        assert_close(a, e, torch.bfloat16, "gated")
+
+
+def test_a_gated_sum_that_is_not_added_to_a_residual_keeps_both_all_reduces(fake_pg):
+    """Without the residual add nothing says the gate is replicated: two all-reduces stay."""
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(ReplicatedSharedExpert(gated=True, residual=False))
+    assert stats["summed_all_reduces_merged"] == 0 and left + len(fused) == 2
+    for a, e in zip(actual, expected):
+        assert_close(a, e, torch.bfloat16, "gated, no residual")
 
 
 def test_routed_plus_shared_becomes_one_all_reduce_and_fuses(fake_pg):
@@ -140,16 +158,30 @@ def test_an_all_reduce_read_elsewhere_is_not_merged(fake_pg):
 # ------------------------------------------------------------------ real ranks
 
 
+def _tensor_parallel_gated_expert(rank):
+    """The gated model as tensor parallelism runs it: the same activations and gate on every rank,
+    the experts' weights this rank's shards (a gate that differed per rank would not be TP)."""
+    torch.manual_seed(0)
+    model = ReplicatedSharedExpert(gated=True)
+    torch.manual_seed(100 + rank)
+    with torch.no_grad():
+        for expert in (model.routed, model.shared):
+            expert.weight.normal_(0, H ** -0.5)
+    torch.manual_seed(7)
+    return model, (torch.randn(1, 6, H, dtype=torch.bfloat16), torch.randn(1, 6, H, dtype=torch.bfloat16))
+
+
 def _moe_ends(rank, dynamic):
     torch.manual_seed(0)  # same weights on every rank
     models = [RoutedPlusShared(), RoutedPlusShared(terms=3), ExpertRowsSummed(),
-              ExpertRowsSummed(sum_dtype=torch.float32), ReplicatedSharedExpert(), ReplicatedSharedExpert(gated=True)]
+              ExpertRowsSummed(sum_dtype=torch.float32), ReplicatedSharedExpert()]
     torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
     inputs = (torch.randn(1, 6, H, dtype=torch.bfloat16), torch.randn(1, 6, H, dtype=torch.bfloat16))
-    for model in models:
-        actual, expected, stats = compiled_vs_eager(model, inputs, dynamic=dynamic)
-        left = 1 if getattr(model, "gated", False) else 0  # the gated shared expert's own all-reduce
-        assert stats["fused_sites"] == 1 and stats["unfused_sites"] == left, (type(model).__name__, stats)
+    cases = [(model, inputs) for model in models] + [_tensor_parallel_gated_expert(rank)]
+    for model, args in cases:
+        actual, expected, stats = compiled_vs_eager(model, args, dynamic=dynamic)
+        assert stats["fused_sites"] == 1 and stats["unfused_sites"] == 0, (type(model).__name__, stats)
+        assert stats["gated_all_reduces_merged"] == getattr(model, "gated", False), stats
         for a, e in zip(actual, expected):
             assert_close(a, e, torch.bfloat16, type(model).__name__)
 
@@ -165,3 +197,4 @@ def test_stats_name_the_rewrites(fake_pg):
     run(ExpertRowsSummed())
     stats = arfusion.stats()
     assert (stats["summed_all_reduces_merged"], stats["sums_moved_before_all_reduce"]) == (1, 1)
+    assert stats["gated_all_reduces_merged"] == 0

@@ -6,7 +6,13 @@ MoE blocks all-reduce more than they need to:
   in the input dtype before the reduction;
 - expert rows are all-reduced before being summed over the experts (Llama-4):
   sum(AR(x), dim) = AR(sum(x, dim)), an all-reduce E times smaller.
-Both are linear identities; only where the rounding happens moves. An all-reduced value that
+Both are linear identities; only where the rounding happens moves. A term may be scaled first,
+`AR(a) + f * AR(b)` (Qwen3-Next and Qwen3.5-MoE gate the shared expert with sigmoid(h W_g)):
+AR(a + f * b) equals it when f is the same on every rank. The graph does not say which weights are
+replicated, but the model does: the sum is added into the residual stream, which every rank of a
+working tensor-parallel model holds identically, and AR(a), AR(b) and the residual are identical
+on every rank, so f * AR(b) must be too, i.e. f wherever AR(b) is not zero. So a scaled term is
+merged only where the sum flows into such an add. An all-reduced value that
 Inductor folded into a GEMM's bias slot (`addmm`) is first unfolded into `mm + add`. The rewritten all-reduce is
 then an ordinary site for `classify`, judged by the usual rule.
 Only regroupings of the same elements (reshape/view) may sit between an all-reduce and the sum,
@@ -14,6 +20,9 @@ and each all-reduce's result must be read by that sum alone.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -54,28 +63,73 @@ def _replace_with_all_reduce(graph: torch.fx.Graph, old: torch.fx.Node, build: B
             graph.erase_node(node)
 
 
+@dataclass
+class _Term:
+    """One all-reduced operand of a sum: `[factor *] regroup(wait(all_reduce(x)))`."""
+
+    all_reduce: torch.fx.Node
+    x: torch.fx.Node
+    chain: list[torch.fx.Node]  # from the operand down to the wait, erased with the all-reduce
+    reduced: torch.fx.Node  # the regrouped all-reduce result (the factor's other operand)
+    factor: Any = None
+    factor_first: bool = False
+
+
+def _term(node: torch.fx.Node) -> _Term | None:
+    found = _reduced_source(node)
+    if found is not None:
+        return _Term(*found, reduced=node)
+    if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2 or len(node.users) != 1:
+        return None
+    for i, reduced in enumerate(node.args):
+        found = _reduced_source(reduced) if isinstance(reduced, torch.fx.Node) else None
+        # The factor broadcasts into the reduced value: neither its shape nor its dtype changes.
+        if found is not None and value(reduced).shape == value(node).shape \
+                and value(reduced).dtype == value(node).dtype:
+            all_reduce, x, chain = found
+            return _Term(all_reduce, x, [node, *chain], reduced, factor=node.args[1 - i], factor_first=i == 1)
+    return None
+
+
+def _into_residual_stream(node: torch.fx.Node) -> bool:
+    """Whether `node` (through regroupings) is added to something: the residual stream."""
+    for user in node.users:
+        if user.target is aten.add.Tensor or (user.target in REGROUPINGS and _into_residual_stream(user)):
+            return True
+    return False
+
+
 def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> bool:
-    """add(AR(a), AR(b)) on one group -> AR(a + b)."""
+    """add([f *] AR(a), [f *] AR(b)) on one group -> AR([f *] a + [f *] b)."""
     if add.target is not aten.add.Tensor or add.kwargs or len(add.args) != 2 \
             or not all(isinstance(a, torch.fx.Node) for a in add.args):
         return False
-    found = [_reduced_source(a) for a in add.args]
-    if None in found or found[0][0] is found[1][0]:
+    terms = [_term(a) for a in add.args]
+    if None in terms or terms[0].all_reduce is terms[1].all_reduce:
         return False
-    (ar_a, a, chain_a), (ar_b, b, chain_b) = found
     out = value(add)
-    if ar_a.args[2] != ar_b.args[2] or any(value(x).dtype != out.dtype or value(x).numel() != out.numel()
-                                          for x in (a, b)):
+    if terms[0].all_reduce.args[2] != terms[1].all_reduce.args[2] \
+            or any(value(t.x).dtype != out.dtype or value(t.x).numel() != out.numel() for t in terms):
+        return False
+    gated = any(t.factor is not None for t in terms)
+    if gated and not _into_residual_stream(add):
         return False
     build = Builder(graph, add)
-    a2, b2 = build.reshape(a, add, [a, b, add]), build.reshape(b, add, [a, b, add])
-    if a2 is None or b2 is None:
+    sources = [*(t.x for t in terms), *(t.reduced for t in terms), add]
+    parts = []
+    for t in terms:
+        part = build.reshape(t.x, t.reduced, sources)
+        if part is not None and t.factor is not None:
+            part = build.call(aten.mul.Tensor, *((t.factor, part) if t.factor_first else (part, t.factor)))
+        parts.append(None if part is None else build.reshape(part, add, sources))
+    if None in parts:
         for node in reversed(build.added):
             graph.erase_node(node)
         return False
-    summed = build.call(aten.add.Tensor, a2, b2)
-    _replace_with_all_reduce(graph, add, build, summed, ar_a.args[2], [*chain_a, ar_a, *chain_b, ar_b])
-    return True
+    summed = build.call(aten.add.Tensor, *parts)
+    dead = [node for t in terms for node in (*t.chain, t.all_reduce)]
+    _replace_with_all_reduce(graph, add, build, summed, terms[0].all_reduce.args[2], dead)
+    return True if not gated else "gated"
 
 
 def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
@@ -126,15 +180,16 @@ def merge(graph: torch.fx.Graph) -> dict[str, int]:
     """Apply the rewrites until none applies; how many of each."""
     for node in list(graph.nodes):
         _unfold_addmm(graph, node)
-    done = {"summed_all_reduces_merged": 0, "sums_moved_before_all_reduce": 0}
+    done = {"summed_all_reduces_merged": 0, "gated_all_reduces_merged": 0, "sums_moved_before_all_reduce": 0}
     changed = True
     while changed:
         changed = False
         for node in list(graph.nodes):
             if node._erased:  # by an earlier rewrite of this sweep
                 continue
-            if _merge_sum_of_two(graph, node):
+            if merged := _merge_sum_of_two(graph, node):
                 done["summed_all_reduces_merged"] += 1
+                done["gated_all_reduces_merged"] += merged == "gated"
                 changed = True
             elif _sum_before_all_reduce(graph, node):
                 done["sums_moved_before_all_reduce"] += 1
