@@ -275,13 +275,15 @@ def moe_combine_allreduce_rmsnorm(
     site_key: str = "",
     quantized: str = "",
     quantized_min_bytes: int = -1,
+    shared: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """MoE top-k combine -> all_reduce -> [+ residual] -> RMSNorm [-> quant]; outputs [T, H] in
+    """MoE top-k combine [+ shared] -> all_reduce -> [+ residual] -> RMSNorm [-> quant]; outputs [T, H] in
     `Site.outputs()` order, as `fused_allreduce_rmsnorm` of the combined [T, H].
 
     The combine is `reference.moe_combine(rows, scale, index, top_k, scale_first)`: rows [R, H]
     permuted expert outputs, index [T * K] the row of each (token, k), scale [R, 1] per row
-    (scale_first) or [T * K, 1] per (token, k). residual is [T, H]. A backend with a fused kernel
+    (scale_first) or [T * K, 1] per (token, k). shared [T, H], where given, is added to the combine
+    before the all-reduce (a shared expert's partial output). residual is [T, H]. A backend with a fused kernel
     (FlashInfer's MoE finalize, where its dispatch entry allows) runs it; otherwise the combine
     runs in torch (compiled on GPUs) and then the ordinary fused site, so the answer is the same
     (a quantized all-reduce, where asked for, applies there: prefill sizes).
@@ -306,11 +308,11 @@ def moe_combine_allreduce_rmsnorm(
             stats.record_dispatch(chosen.name)
             outs = chosen.run_moe_combine(call, rows, scale, index, top_k, scale_first,
                                           None if residual is None else residual.reshape(tokens, hidden),
-                                          kernel_weight, eps, quant_scale)
+                                          kernel_weight, eps, quant_scale, shared)
             return [o.reshape(tokens, o.shape[-1]) if o.dim() else o for o in outs]
     log_once(f"arfusion: MoE combine of {site.name} ran in torch at run time, then the fused site: {reason}")
     combine = (compiled(reference.moe_combine) if compiles_fallback(rows.device) else reference.moe_combine)
-    combined = combine(rows, scale, index, top_k, scale_first)
+    combined = combine(rows, scale, index, top_k, scale_first, shared)
     return fused_allreduce_rmsnorm(combined, residual, weight, eps, None, group_name, norm, quant, quant_scale,
                                    emit_norm, backend, max_bytes, "", quantized, quantized_min_bytes)
 
@@ -324,7 +326,8 @@ def _quantized_takes(backend, call: Call, level: str, min_bytes: int) -> str | N
 
 @moe_combine_allreduce_rmsnorm.register_fake
 def _moe_fake(rows, scale, index, top_k, scale_first, residual, weight, eps, eps_tensor, group_name, norm, quant,
-              quant_scale, emit_norm, backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1):
+              quant_scale, emit_norm, backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1,
+              shared=None):
     combined = rows.new_empty((index.shape[0] // top_k, rows.shape[-1]))
     return _fake(combined, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
                  backend, max_bytes)

@@ -51,11 +51,13 @@ def unfused(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 
 
 def moe_combine(rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, top_k: int,
-                scale_first: bool) -> torch.Tensor:
+                scale_first: bool, shared: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE top-k combine as HF's grouped experts spell it (transformers integrations/moe.py):
     `(rows * scale)[index].view(T, K, H).sum(1)` (scale_first: one weight per permuted row,
     scale [R, 1]) or `(rows[index] * scale).view(T, K, H).sum(1)` (one weight per (token, k) in
     token order, scale [T * K, 1]). index is 1-D [T * K]: (token, k) -> row. Same ops, dtypes
-    and order as the graph, so the same rounding."""
+    and order as the graph, so the same rounding. `shared` [T, H], where given, is added after
+    the sum (a shared expert's partial output reduced with the routed one)."""
     gathered = (rows * scale)[index] if scale_first else rows[index] * scale
-    return gathered.view(-1, top_k, rows.shape[-1]).sum(1)
+    combined = gathered.view(-1, top_k, rows.shape[-1]).sum(1)
+    return combined if shared is None else combined + shared

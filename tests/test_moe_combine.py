@@ -31,8 +31,11 @@ class GroupedExperts(nn.Module):
     """A router, one linear per expert run on expert-sorted rows (HF `grouped_mm` layout), the
     top-k combine spelled as `variant` says, the all-reduce, the residual add and Llama's norm."""
 
-    def __init__(self, variant="hf", dtype=torch.bfloat16):
+    def __init__(self, variant="hf", dtype=torch.bfloat16, shared=None):
         super().__init__()
+        self.shared = shared  # None | "plain" (DeepSeek: a row-parallel shared expert) | "gated" (Qwen3-Next)
+        self.shared_expert = nn.Linear(H, H, bias=False, dtype=dtype)
+        self.shared_gate = nn.Linear(H, 1, bias=False, dtype=dtype)
         self.router = nn.Linear(H, E, bias=False, dtype=dtype)
         self.experts = nn.Parameter(0.1 * torch.randn(E, H, H, dtype=dtype))
         self.weight = nn.Parameter(1 + 0.1 * torch.randn(H, dtype=dtype))
@@ -67,7 +70,14 @@ class GroupedExperts(nn.Module):
         else:
             raise ValueError(v)
         dist.all_reduce(out)
-        h = residual + out.view(x.shape)
+        out = out.view(x.shape)
+        if self.shared:  # all-reduced apart, then added: the pass merges the two all-reduces first
+            shared = self.shared_expert(x)
+            dist.all_reduce(shared)
+            if self.shared == "gated":
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
+        h = residual + out
         return (NORMS["hf_llama"][0](h, self.weight, 1e-6), h, *extra)
 
 
@@ -121,6 +131,18 @@ def test_lookalikes_fuse_the_site_alone(fake_pg, variant, why, caplog):
     assert "no MoE top-k combine fused" in caplog.text and why in caplog.text, caplog.text
 
 
+@pytest.mark.parametrize("shared", ["plain", "gated"])
+def test_a_shared_expert_goes_into_the_op_with_the_combine(fake_pg, shared):
+    """DeepSeek / Qwen3-Next: AR(combine) + [gate *] AR(shared) -> AR(combine + [gate *] shared): one
+    all-reduce, and the op takes the combine's inputs and the shared term (FlashInfer's
+    shared_expert_output)."""
+    torch.manual_seed(0)
+    _, _, stats, seen = compile_run(GroupedExperts(shared=shared), _inputs())
+    assert seen == {"moe": 1, "plain": 0, "left": 0}, seen
+    assert stats["summed_all_reduces_merged"] == 1 and stats["gated_all_reduces_merged"] == (shared == "gated")
+    assert stats["fused_sites"] == 1 and stats["moe_combines_fused"] == 1
+
+
 def test_switched_off(fake_pg):
     torch.manual_seed(0)
     _, _, stats, seen = compile_run(GroupedExperts(), _inputs(), fuse_moe_combine=False)
@@ -136,17 +158,30 @@ def test_dynamic_token_count(fake_pg):
 # ------------------------------------------------------------------ real ranks (gloo)
 
 
+def _tensor_parallel(model, rank):
+    """Tensor parallelism's view of the model: its experts' weights are this rank's shards, the
+    router and the shared expert's gate the same everywhere (so are the activations)."""
+    torch.manual_seed(100 + rank)
+    with torch.no_grad():
+        model.experts.normal_(0, 0.1)
+        model.shared_expert.weight.normal_(0, H ** -0.5)
+    return model
+
+
 def _numerics(rank, dynamic):
     torch.manual_seed(0)  # same weights on every rank
     variants = ("hf",) if dynamic else ("hf", "weights_first", "gather_then_scale")  # time: dynamic once
-    models = [GroupedExperts(v) for v in variants]
+    models = [GroupedExperts(v) for v in variants] + ([] if dynamic else [GroupedExperts(shared="plain")])
+    gated = None if dynamic else _tensor_parallel(GroupedExperts(shared="gated"), rank)
+    torch.manual_seed(7)
+    replicated = _inputs()
     torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
-    inputs = _inputs()
+    cases = [(model, _inputs()) for model in models] + ([(gated, replicated)] if gated is not None else [])
     # Inductor keeps the fused weight product in fp32 unless told to round like eager (without
     # it the unfused graph differs from eager by up to 1 bf16 ulp of the combine, 0.02 here); the
     # op replays the combine as eager does, so the bitwise comparison asks Inductor to round alike.
     with torch._inductor.config.patch(emulate_precision_casts=True):
-        for model in models:
+        for model, inputs in cases:
             actual, expected, stats, seen = compile_run(model, inputs, dynamic=dynamic)
             assert seen["moe"] == 1 and stats["moe_combines_fused"] == 1, (model.variant, seen, stats)
             assert stats["dispatch"] == {"torch": 1}, stats
@@ -156,6 +191,12 @@ def _numerics(rank, dynamic):
                                                                   dynamic=dynamic)
             assert seen_without["moe"] == 0 and seen_without["plain"] == 1
             for a, b in zip(actual, without):
+                if model.shared:
+                    # Inductor fuses `sum + shared` and may add to the unrounded sum, the op rounds the
+                    # combine first as the graph says: a rounding apart (both ~0.03 from eager here,
+                    # which rounds each all-reduce on its own).
+                    assert_close(a, b, torch.bfloat16, "shared")
+                    continue
                 assert torch.equal(a, b), (model.variant, (a.float() - b.float()).abs().max().item())
 
 
@@ -272,6 +313,9 @@ def _flashinfer_worker(rank):
                                    quant=(quant_out, scale_out), eps=eps))
         assert idx.dtype == torch.int32 and s.dtype == allreduce_in.dtype and idx.is_contiguous()
         combined = (allreduce_in[idx.long()].float() * s.float().unsqueeze(-1)).sum(1)  # [T, H]
+        if shared_expert_output is not None:  # added before the all-reduce, as the kernel does
+            assert shared_expert_output.shape == combined.shape and shared_expert_output.is_contiguous()
+            combined = combined + shared_expert_output.float()
         dist.all_reduce(combined)
         h = (combined + residual_in.float()).to(allreduce_in.dtype)
         residual_out.copy_(h)
@@ -287,7 +331,9 @@ def _flashinfer_worker(rank):
     group = dist.group.WORLD.group_name
     site = Site(residual=True, norm="rms")
     try:
-        for tokens, scale_first, fused in ((1, True, True), (8, False, True), (32, True, True), (33, True, False)):
+        cases = ((1, True, True, False), (8, False, True, False), (32, True, True, False), (33, True, False, False),
+                 (4, True, True, True), (40, True, False, True))
+        for tokens, scale_first, fused, with_shared in cases:
             finalize_calls.clear()
             calls["fusion"].clear()
             torch.manual_seed(100 + rank + tokens)
@@ -297,11 +343,12 @@ def _flashinfer_worker(rank):
             residual = torch.randn(tokens, 256, dtype=torch.bfloat16)
             torch.manual_seed(0)
             weight = (1 + 0.1 * torch.randn(256)).to(torch.bfloat16)
+            shared = torch.randn(tokens, 256, dtype=torch.bfloat16) if with_shared else None
             got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
                 rows, scale, index, 8, scale_first, residual, weight, 1e-6, None, group, "rms", "none", None, True,
-                "flashinfer", -1)
-            want = reference.unfused(reference.moe_combine(rows, scale, index, 8, scale_first), residual, weight,
-                                     1e-6, group, site)
+                "flashinfer", -1, shared=shared)
+            want = reference.unfused(reference.moe_combine(rows, scale, index, 8, scale_first, shared), residual,
+                                     weight, 1e-6, group, site)
             for g, w in zip(got, want):
                 assert g.shape == w.shape == (tokens, 256)
                 assert torch.allclose(g.float(), w.float(), atol=0.05, rtol=0.02), (tokens, (g - w).abs().max())
@@ -309,8 +356,8 @@ def _flashinfer_worker(rank):
                 assert len(finalize_calls) == 1 and not calls["fusion"], (tokens, calls["fusion"])
                 c = finalize_calls[0]
                 assert c["idx_shape"] == c["scale_shape"] == (tokens, 8) and c["rows_shape"] == (tokens * 8, 256)
-                assert (c["rank"], c["world"], c["shared"], c["routed"], c["bias"], c["quant"]) == \
-                    (rank, 2, None, None, None, (None, None))
+                assert (c["rank"], c["world"], c["routed"], c["bias"], c["quant"]) == (rank, 2, None, None, (None, None))
+                assert (c["shared"] is None) != with_shared  # the shared expert's term as shared_expert_output
                 assert c["workspace"][0] == "workspace of"  # the group's ordinary workspace
             else:  # above the entry: combine in torch, then FlashInfer's plain fused kernel
                 assert not finalize_calls and len(calls["fusion"]) == 1 and calls["fusion"][0]["tokens"] == tokens

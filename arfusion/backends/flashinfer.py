@@ -329,8 +329,10 @@ class FlashInferBackend(Backend):
         sm = device_facts(_device_index(call.device)).sm[0]
         return dispatch.moe_finalize_problem(sm, call.world_size, call.tokens)
 
-    def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale):
-        """FlashInfer's MoE finalize: out[t] = sum_k scale[t, k] * rows[index[t, k]], all-reduced,
+    def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale,
+                        shared=None):
+        """FlashInfer's MoE finalize: out[t] = sum_k scale[t, k] * rows[index[t, k]] (+ shared[t], its
+        `shared_expert_output`, added in the activation dtype before the reduction), all-reduced,
         + residual, RMSNorm, in one kernel on the group's ordinary workspace (the one `prepare`
         made for this call's size: per group, outside CUDA-graph pools, agreed by every rank).
         index goes in as int32 [T, K]; the weights as [T, K] in the activation dtype (a per-row
@@ -355,7 +357,7 @@ class FlashInferBackend(Backend):
             expanded_idx_to_permuted_idx=expanded_to_permuted, norm_out=norm_out, residual_out=residual_out,
             quant_out=None, scale_out=None, workspace_ptrs=state.workspace.workspace_tensor,
             launch_with_pdl=self.launch_with_pdl, world_rank=group.rank(), world_size=group.size(),
-            eps=float(eps), shared_expert_output=None,
+            eps=float(eps), shared_expert_output=None if shared is None else flatten_tokens(shared).contiguous(),
             expert_scale_factor=expert_scale.to(call.dtype).contiguous(), routed_scaling_factor=None,
             weight_bias=1.0 if call.site.norm == "gemma_rms" else None)
         produced = {"residual": residual_out, "norm": norm_out}

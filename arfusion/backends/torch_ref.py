@@ -32,8 +32,9 @@ class TorchBackend(Backend):
     def moe_combine_why_not(self, call, top_k, rows):
         return None  # the reference computes anything: the combine exactly as the graph spelled it
 
-    def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale):
-        combined = reference.moe_combine(rows, scale, index, top_k, scale_first)
+    def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale,
+                        shared=None):
+        combined = reference.moe_combine(rows, scale, index, top_k, scale_first, shared)
         return self.run(call, combined, residual, weight, eps, quant_scale)
 
     def quantized_min_bytes(self, call, level):

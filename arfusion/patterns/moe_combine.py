@@ -13,7 +13,10 @@ the product by a per-row weight before the gather ([R, 1], scale_first) or after
 operands in either order. Each intermediate must feed only the next one (the combine disappears
 from the graph). Then the chain is run on a probe (`forms.MOE_*`): its float64 mathematics must be
 the combine's, and with the graph's dtypes `reference.moe_combine` must give the same bits, so the
-fused op's reference path reproduces the graph's rounding exactly.
+fused op's reference path reproduces the graph's rounding exactly. A term added to the combine
+before the all-reduce (`AR(combine + shared)`, what `collectives.merge` makes of DeepSeek's
+`AR(routed) + AR(shared)`) goes into the op too; FlashInfer's kernel adds it the same way
+(`shared_expert_output`, after the weighted sum, before the all-reduce).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import reference
 from . import forms
@@ -42,7 +46,15 @@ class Combine:
     index: torch.fx.Node  # 1-D [T * K]: row of (token, k)
     top_k: int
     scale_first: bool
-    nodes: tuple[torch.fx.Node, ...]  # the combine's own nodes, graph order, ending in the sum
+    nodes: tuple[torch.fx.Node, ...]  # the combine's own nodes, graph order, ending in the sum [T, H]
+    # A term added to the combine before the all-reduce (a shared expert's partial output, once
+    # AR(combine) + AR(shared) became AR(combine + shared)), and the views and add that carry it.
+    shared: torch.fx.Node | None = None
+    tail: tuple[torch.fx.Node, ...] = ()
+
+    def dead_nodes(self) -> tuple[torch.fx.Node, ...]:
+        """Everything the op replaces, graph order."""
+        return (*self.nodes, *self.tail)
 
 
 def _only_user(node: torch.fx.Node, user: torch.fx.Node) -> bool:
@@ -61,13 +73,36 @@ def _row_weight(a: torch.fx.Node, b: torch.fx.Node, rows_dim: int):
     return None
 
 
+def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    have, want = value(a).shape, value(b).shape
+    return len(have) == len(want) and all(statically_known_true(i == j) for i, j in zip(have, want))
+
+
+def _split_shared(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, tuple[torch.fx.Node, ...]]:
+    """(the combine candidate, the term added to it or None, the views and add between them and x).
+    `x = view(combine) + shared` (either order) with both of x's shape and dtype: a shared
+    expert's partial output summed in before the all-reduce."""
+    if x.target is not aten.add.Tensor or x.kwargs or len(x.args) != 2 \
+            or not all(isinstance(a, torch.fx.Node) for a in x.args):
+        return x, None, ()
+    for i, candidate in enumerate(x.args):
+        shared, views, node = x.args[1 - i], [], candidate
+        while node.target in VIEWS and _only_user(node, views[-1] if views else x):
+            views.append(node)
+            node = node.args[0]
+        if node.target is aten.sum.dim_IntList and _only_user(node, views[-1] if views else x) \
+                and all(_same_shape(n, x) and value(n).dtype == value(x).dtype for n in (candidate, shared)):
+            return node, shared, (*reversed(views), x)
+    return x, None, ()
+
+
 def find(site: Site) -> Combine | str:
     """The combine feeding `site`'s all-reduce, or why there is none."""
     region = site.region
-    total = region.x
+    total, shared, tail = _split_shared(region.x)
     if total.target is not aten.sum.dim_IntList:
         return "the all-reduce input is not a sum (no top-k combine)"
-    if not _only_user(total, region.all_reduce):
+    if not _only_user(total, tail[0] if tail else region.all_reduce):
         return "the combined value is read elsewhere too"
     if total.kwargs.get("dtype") is not None or (len(total.args) > 2 and total.args[2]) or total.kwargs.get("keepdim"):
         return "the sum keeps its dim or changes dtype"
@@ -109,7 +144,8 @@ def find(site: Site) -> Combine | str:
         return "rows, weights and the combine are not all of one floating dtype"
     if not scale_first and hinted_shape(scale)[0] != tokens * top_k:
         return "the weights after the gather are not one per (token, k)"
-    combine = Combine(rows=rows, scale=scale, index=index, top_k=top_k, scale_first=scale_first, nodes=chain)
+    combine = Combine(rows=rows, scale=scale, index=index, top_k=top_k, scale_first=scale_first, nodes=chain,
+                      shared=shared, tail=tail)
     return _check_on_probe(combine, tokens) or combine
 
 

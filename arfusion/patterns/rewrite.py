@@ -88,9 +88,9 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     build = Builder(graph, anchor)
     region = site.region
     norm_out = site.norm_out
-    sources = [region.x, *site.residuals, norm_out]
+    sources = [region.x, *site.residuals, norm_out, *([combine.nodes[-1]] if combine is not None else [])]
     # The MoE op works on the combine's [T, H]; the plain op on the norm's shape.
-    like = region.x if combine is not None else norm_out
+    like = combine.nodes[-1] if combine is not None else norm_out
     x = build.reshape(region.x, norm_out, sources) if combine is None else region.x
     terms = [build.reshape(r, like, sources) for r in site.residuals]
     if x is None or None in terms:
@@ -108,8 +108,13 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     if combine is None:
         fused = build.call(FUSED_OP, x, *tail)
     else:
+        shared = None if combine.shared is None else build.reshape(combine.shared, combine.nodes[-1],
+                                                                   [*sources, combine.shared])
+        if combine.shared is not None and shared is None:
+            _undo(graph, build)
+            return False
         fused = build.call(MOE_OP, combine.rows, combine.scale, combine.index, combine.top_k,
-                           combine.scale_first, *tail)
+                           combine.scale_first, *tail, shared)
     outputs = op_site(site).outputs()
     produced = {name: build.call(operator.getitem, fused, i) for i, name in enumerate(outputs)}
     if "scale" in produced:
@@ -127,7 +132,7 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
         if not node.users and node is not fused:
             graph.erase_node(node)
     # The site is dead now; DCE would keep wait_tensor (FX counts it as a side effect).
-    dead = site.nodes | {region.all_reduce} | set(combine.nodes if combine is not None else ())
+    dead = site.nodes | {region.all_reduce} | set(combine.dead_nodes() if combine is not None else ())
     for node in sorted(dead, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
