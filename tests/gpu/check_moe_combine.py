@@ -14,6 +14,7 @@ expert-sorted order, index = inverse permutation, one weight per permuted row):
    - site_only: compiled combine, then arfusion's plain fused op (FlashInfer allreduce_fusion);
    - moe_op: the MoE op as dispatched by the table (kernel up to the table's T, else site_only's path);
    - moe_kernel: the MoE op with the finalize kernel forced at every T.
+3. a shared expert's term added before the all-reduce (`shared`, FlashInfer's `shared_expert_output`).
 Writes <out>/moe_combine_rank<r>.json (rank 0 also prints a table). Never uses FlashInfer's
 "auto"/"mnnvl" backends (the backend asks for "trtllm" only).
 """
@@ -97,6 +98,29 @@ def exact(rows, scale, index, residual, weight, group_name):
     dist.all_reduce(combined, group=dist.distributed_c10d._resolve_process_group(group_name))
     h = (residual.float() + combined).to(DTYPE)
     return h, reference.rms_norm(h, weight, EPS, "rms")
+
+
+def check_shared_expert(device, rank, group_name, kernel_calls, failures):
+    """A shared expert's partial output added before the all-reduce (the op's `shared`, FlashInfer's
+    `shared_expert_output`): eager, against the fp32 reference with the term, per (hidden, T)."""
+    checks = []
+    for hidden in HIDDENS:
+        for tokens in (1, 8):
+            rows, scale, index, residual, weight = make_inputs(tokens, hidden, device, rank, seed=2)
+            shared = torch.randn(tokens, hidden, device=device, generator=torch.Generator(device=device).manual_seed(
+                rank + 7)).to(DTYPE)
+            kernel_calls[0] = 0
+            got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
+                rows, scale, index, K, True, residual, weight, EPS, None, group_name, "rms", "none", None, True,
+                "flashinfer", -1, shared=shared)
+            combined = ((rows.float() * scale.float())[index]).view(-1, K, hidden).sum(1) + shared.float()
+            dist.all_reduce(combined, group=dist.distributed_c10d._resolve_process_group(group_name))
+            h = (residual.float() + combined).to(DTYPE)
+            errs = {"residual": rel(got[0], h), "norm": rel(got[1], reference.rms_norm(h, weight, EPS, "rms"))}
+            checks.append({"hidden": hidden, "tokens": tokens, "ran_kernel": kernel_calls[0] > 0, "rel_err": errs})
+            if max(errs.values()) > TOL:
+                failures.append(f"shared expert H={hidden} T={tokens}: {errs}")
+    return checks
 
 
 def rel(a, b):
@@ -210,6 +234,7 @@ def main():
                       f"{case['site_only_us']:7.1f}, moe_op {case['moe_op_us']:7.1f} (kernel: "
                       f"{case['moe_op_ran_kernel']}), moe_kernel {case['moe_kernel_us']:7.1f} -> "
                       f"{case['speedup_moe_kernel_vs_unfused']:.2f}x; err {case['moe_kernel_rel_err']}", flush=True)
+    results["shared_expert"] = check_shared_expert(device, rank, group_name, kernel_calls, failures)
     results["failures"] = failures
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     out = Path(args.out)
