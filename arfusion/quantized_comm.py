@@ -12,7 +12,9 @@ dequantized values in fp32, quantizes that sum again and sends it to the others.
 reproduces that on any device with torch collectives, so CPU runs see what the quantization
 costs (the `torch` backend, tests, `benchmarks/eval_accuracy.py --tiny`). It follows each
 level's format (group size, value range, rounding) but not the kernels' bits: scales are kept
-in fp32 and the sums run in another order.
+in fp32 and the sums run in another order. Against FlashInfer's fp8 kernel on one H100 (first
+phase only, tests/gpu/check_quantized_codec.py): 0.003-1.6% of elements one fp8 step apart,
+the same max and mean error against the exact sum (docs/accuracy.md).
 """
 
 from __future__ import annotations
