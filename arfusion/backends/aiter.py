@@ -401,6 +401,15 @@ def _resolve_group(group_name: str):
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
+def _group_or_none(group_name: str):
+    """What the name resolves to now, None for no group (looked up through `_resolve_group` at
+    each call, so tests can stand in for it)."""
+    try:
+        return _resolve_group(group_name)
+    except RuntimeError:
+        return None
+
+
 def gloo_twin(group):
     """A gloo group of the same ranks: aiter exchanges IPC handles over a non-NCCL group.
 
@@ -713,12 +722,9 @@ class AiterBackend(Backend):
         # aiter's quick all-reduce codecs (QuickReduceRegime FP8, INT6, INT4); no INT8.
         quantized_levels=frozenset(QUICK_REDUCE_REGIMES),
     ))
-    # Per group, renewed when the name comes to mean another group (see PerGroup). The lambdas
-    # look _resolve_group up at each call, so tests can stand in for it.
-    _communicators: PerGroup = field(default_factory=lambda: PerGroup(
-        lambda: None, resolve=lambda name: _resolve_group(name)), repr=False)
-    _quick_reduce: PerGroup = field(default_factory=lambda: PerGroup(
-        _QuickReduceGroup, resolve=lambda name: _resolve_group(name)), repr=False)
+    # Per group, renewed when the name comes to mean another group (see PerGroup).
+    _communicators: PerGroup = field(default_factory=lambda: PerGroup(lambda: None, _group_or_none), repr=False)
+    _quick_reduce: PerGroup = field(default_factory=lambda: PerGroup(_QuickReduceGroup, _group_or_none), repr=False)
 
     def _detected(self, device: torch.device) -> Detected | str:
         if device.type != "cuda":
@@ -794,11 +800,11 @@ class AiterBackend(Backend):
 
     def _ready_communicator(self, call: Call) -> Any:
         """The group's CustomAllreduce (created on its first eager call), or why there is none."""
-        found = self._detected(call.device)
-        if isinstance(found, str):
-            return found
         comm = self._communicators.current(call.group_name)
         if comm is None:
+            found = self._detected(call.device)
+            if isinstance(found, str):
+                return found
             if _capturing():
                 return "aiter set-up is not done during CUDA graph capture; run one eager step first"
             comm = outside_graph_pools(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..graph_utils import ALL_REDUCE, WAIT
-from .region import value
+from .region import same_shape, value
 from .rewrite import Builder
 
 aten = torch.ops.aten
@@ -84,8 +84,7 @@ def _term(node: torch.fx.Node) -> _Term | None:
     for i, reduced in enumerate(node.args):
         found = _reduced_source(reduced) if isinstance(reduced, torch.fx.Node) else None
         # The factor broadcasts into the reduced value: neither its shape nor its dtype changes.
-        if found is not None and value(reduced).shape == value(node).shape \
-                and value(reduced).dtype == value(node).dtype:
+        if found is not None and same_shape(reduced, node) and value(reduced).dtype == value(node).dtype:
             all_reduce, x, chain = found
             return _Term(all_reduce, x, [node, *chain], reduced, factor=node.args[1 - i], factor_first=i == 1)
     return None
@@ -99,21 +98,22 @@ def _into_residual_stream(node: torch.fx.Node) -> bool:
     return False
 
 
-def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> bool:
-    """add([f *] AR(a), [f *] AR(b)) on one group -> AR([f *] a + [f *] b)."""
+def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
+    """add([f *] AR(a), [f *] AR(b)) on one group -> AR([f *] a + [f *] b); "plain" or "gated"
+    (a term had a factor) where merged, else None."""
     if add.target is not aten.add.Tensor or add.kwargs or len(add.args) != 2 \
             or not all(isinstance(a, torch.fx.Node) for a in add.args):
-        return False
+        return None
     terms = [_term(a) for a in add.args]
     if None in terms or terms[0].all_reduce is terms[1].all_reduce:
-        return False
+        return None
     out = value(add)
     if terms[0].all_reduce.args[2] != terms[1].all_reduce.args[2] \
             or any(value(t.x).dtype != out.dtype or value(t.x).numel() != out.numel() for t in terms):
-        return False
+        return None
     gated = any(t.factor is not None for t in terms)
     if gated and not _into_residual_stream(add):
-        return False
+        return None
     build = Builder(graph, add)
     sources = [*(t.x for t in terms), *(t.reduced for t in terms), add]
     parts = []
@@ -125,11 +125,11 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> bool:
     if None in parts:
         for node in reversed(build.added):
             graph.erase_node(node)
-        return False
+        return None
     summed = build.call(aten.add.Tensor, *parts)
     dead = [node for t in terms for node in (*t.chain, t.all_reduce)]
     _replace_with_all_reduce(graph, add, build, summed, terms[0].all_reduce.args[2], dead)
-    return True if not gated else "gated"
+    return "gated" if gated else "plain"
 
 
 def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:

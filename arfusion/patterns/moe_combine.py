@@ -24,13 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import reference
 from . import forms
 from .classify import Site
 from .probe import ProbeError, evaluate
-from .region import hint, hinted_shape, reduce_dims, value
+from .region import hint, hinted_shape, reduce_dims, same_shape, value
 
 aten = torch.ops.aten
 VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
@@ -73,11 +72,6 @@ def _row_weight(a: torch.fx.Node, b: torch.fx.Node, rows_dim: int):
     return None
 
 
-def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    have, want = value(a).shape, value(b).shape
-    return len(have) == len(want) and all(statically_known_true(i == j) for i, j in zip(have, want))
-
-
 def _split_shared(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, tuple[torch.fx.Node, ...]]:
     """(the combine candidate, the term added to it or None, the views and add between them and x).
     `x = view(combine) + shared` (either order) with both of x's shape and dtype: a shared
@@ -91,7 +85,7 @@ def _split_shared(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None
             views.append(node)
             node = node.args[0]
         if node.target is aten.sum.dim_IntList and _only_user(node, views[-1] if views else x) \
-                and all(_same_shape(n, x) and value(n).dtype == value(x).dtype for n in (candidate, shared)):
+                and all(same_shape(n, x) and value(n).dtype == value(x).dtype for n in (candidate, shared)):
             return node, shared, (*reversed(views), x)
     return x, None, ()
 

@@ -18,6 +18,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_utils import ALL_REDUCE, WAIT
 
@@ -48,6 +49,12 @@ def is_pointwise(node: torch.fx.Node) -> bool:
 
 def value(node) -> object:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether two nodes' values have the same shape (symbolic sizes: provably equal)."""
+    have, want = value(a).shape, value(b).shape
+    return len(have) == len(want) and all(statically_known_true(i == j) for i, j in zip(have, want))
 
 
 def hint(size) -> int:

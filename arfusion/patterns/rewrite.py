@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..backends.base import Site as OpSite
 from .classify import Site
 from .moe_combine import Combine
-from .region import value
+from .region import same_shape, value
 
 aten = torch.ops.aten
 FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
@@ -48,10 +48,9 @@ class Builder:
 
     def reshape(self, node: torch.fx.Node, like: torch.fx.Node, sources: list[torch.fx.Node]) -> torch.fx.Node | None:
         """`node` reshaped to `like`'s shape (None if a symbolic size cannot be named)."""
-        have, want = value(node).shape, value(like).shape
-        if len(have) == len(want) and all(statically_known_true(a == b) for a, b in zip(have, want)):
+        if same_shape(node, like):
             return node
-        sizes = self._sizes(want, sources)
+        sizes = self._sizes(value(like).shape, sources)
         return None if sizes is None else self.call(aten.reshape.default, node, sizes)
 
     def _sizes(self, shape, sources: list[torch.fx.Node]) -> list[Any] | None:
