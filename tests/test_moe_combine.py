@@ -31,9 +31,11 @@ class GroupedExperts(nn.Module):
     """A router, one linear per expert run on expert-sorted rows (HF `grouped_mm` layout), the
     top-k combine spelled as `variant` says, the all-reduce, the residual add and Llama's norm."""
 
-    def __init__(self, variant="hf", dtype=torch.bfloat16, shared=None):
+    def __init__(self, variant="hf", dtype=torch.bfloat16, shared=None, fp32_weights=False):
         super().__init__()
         self.shared = shared  # None | "plain" (DeepSeek: a row-parallel shared expert) | "gated" (Qwen3-Next)
+        # DeepSeek's router keeps its weights in fp32: the combine runs in fp32, then `.to(dtype)`.
+        self.fp32_weights = fp32_weights
         self.shared_expert = nn.Linear(H, H, bias=False, dtype=dtype)
         self.shared_gate = nn.Linear(H, 1, bias=False, dtype=dtype)
         self.router = nn.Linear(H, E, bias=False, dtype=dtype)
@@ -46,7 +48,8 @@ class GroupedExperts(nn.Module):
         tokens = flat.shape[0]
         probs = torch.softmax(self.router(flat).float(), -1)
         top_w, top_i = torch.topk(probs, K, dim=-1)
-        top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+        top_w = top_w / top_w.sum(-1, keepdim=True)
+        top_w = top_w if self.fp32_weights else top_w.to(x.dtype)
         ids, weights = top_i.reshape(-1), top_w.reshape(-1)
         ids_g, perm = torch.sort(ids)
         rows = torch.bmm(flat[perm // K].unsqueeze(1), self.experts[ids_g]).squeeze(1)  # [R, H]
@@ -69,6 +72,7 @@ class GroupedExperts(nn.Module):
             out = rows[inv_perm].view(tokens, K, H).sum(1) * top_w.sum(-1, keepdim=True)
         else:
             raise ValueError(v)
+        out = out.to(x.dtype)  # HF's grouped experts return the activation dtype (a no-op unless fp32 weights)
         dist.all_reduce(out)
         out = out.view(x.shape)
         if self.shared:  # all-reduced apart, then added: the pass merges the two all-reduces first
@@ -107,11 +111,12 @@ def _inputs(dtype=torch.bfloat16):
 # ------------------------------------------------------------------ graphs (fake group)
 
 
+@pytest.mark.parametrize("fp32_weights", [False, True], ids=["bf16_weights", "fp32_weights"])
 @pytest.mark.parametrize("variant", ["hf", "weights_first", "gather_then_scale"])
-def test_combine_is_fused_into_the_site(fake_pg, variant, caplog):
+def test_combine_is_fused_into_the_site(fake_pg, variant, fp32_weights, caplog):
     torch.manual_seed(0)
     with caplog.at_level(logging.INFO, logger="arfusion"):
-        _, _, stats, seen = compile_run(GroupedExperts(variant), _inputs())
+        _, _, stats, seen = compile_run(GroupedExperts(variant, fp32_weights=fp32_weights), _inputs())
     assert seen == {"moe": 1, "plain": 0, "left": 0}, seen
     assert stats["fused_sites"] == 1 and stats["moe_combines_fused"] == 1
     assert "MoE top-k combine (K=2) fused" in caplog.text
@@ -131,13 +136,13 @@ def test_lookalikes_fuse_the_site_alone(fake_pg, variant, why, caplog):
     assert "no MoE top-k combine fused" in caplog.text and why in caplog.text, caplog.text
 
 
-@pytest.mark.parametrize("shared", ["plain", "gated"])
-def test_a_shared_expert_goes_into_the_op_with_the_combine(fake_pg, shared):
-    """DeepSeek / Qwen3-Next: AR(combine) + [gate *] AR(shared) -> AR(combine + [gate *] shared): one
-    all-reduce, and the op takes the combine's inputs and the shared term (FlashInfer's
-    shared_expert_output)."""
+@pytest.mark.parametrize("shared, fp32_weights", [("plain", True), ("plain", False), ("gated", False)])
+def test_a_shared_expert_goes_into_the_op_with_the_combine(fake_pg, shared, fp32_weights):
+    """DeepSeek (fp32 router weights) / Qwen3-Next: AR(combine) + [gate *] AR(shared) ->
+    AR(combine + [gate *] shared): one all-reduce, and the op takes the combine's inputs and the
+    shared term (FlashInfer's shared_expert_output)."""
     torch.manual_seed(0)
-    _, _, stats, seen = compile_run(GroupedExperts(shared=shared), _inputs())
+    _, _, stats, seen = compile_run(GroupedExperts(shared=shared, fp32_weights=fp32_weights), _inputs())
     assert seen == {"moe": 1, "plain": 0, "left": 0}, seen
     assert stats["summed_all_reduces_merged"] == 1 and stats["gated_all_reduces_merged"] == (shared == "gated")
     assert stats["fused_sites"] == 1 and stats["moe_combines_fused"] == 1
@@ -171,7 +176,9 @@ def _tensor_parallel(model, rank):
 def _numerics(rank, dynamic):
     torch.manual_seed(0)  # same weights on every rank
     variants = ("hf",) if dynamic else ("hf", "weights_first", "gather_then_scale")  # time: dynamic once
-    models = [GroupedExperts(v) for v in variants] + ([] if dynamic else [GroupedExperts(shared="plain")])
+    models = [GroupedExperts(v) for v in variants] + ([] if dynamic else [
+        GroupedExperts(shared="plain"), GroupedExperts(shared="plain", fp32_weights=True),
+        GroupedExperts("gather_then_scale", fp32_weights=True)])
     gated = None if dynamic else _tensor_parallel(GroupedExperts(shared="gated"), rank)
     torch.manual_seed(7)
     replicated = _inputs()
@@ -226,6 +233,8 @@ def _hf_model(rank, model_type):
     hf_logging.set_verbosity_error()
     config = example.tiny_config(model_type, 2, 256, 2)
     config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok = 16, 128, 4  # smaller, faster
+    # DeepSeek: every layer MoE (no dense prefix), one expert group, its small MLA shapes.
+    config.update(MOE_CONFIG.get(model_type, {}))
     path = example.save_random_model(config, torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **tp_kwargs("auto")).eval()
     torch.manual_seed(1)
@@ -237,9 +246,11 @@ def _hf_model(rank, model_type):
         got = torch.compile(model)(input_ids=ids, use_cache=False).logits.float()
     arfusion.disable()
     stats = arfusion.stats()
-    # Every site fuses (embedding + 2 per layer), and each layer's MoE block takes its combine in.
-    assert stats["fused_sites"] == 5 and stats["unfused_sites"] == 0, stats
-    assert stats["moe_combines_fused"] == 2, stats
+    # Every site fuses (embedding's + one per row-parallel block), each layer's MoE block takes its
+    # combine in, and DeepSeek's separately all-reduced shared expert is merged into it.
+    sites, merged = EXPECTED[model_type]
+    assert stats["fused_sites"] == sites and stats["unfused_sites"] == 0, stats
+    assert stats["moe_combines_fused"] == 2 and stats["summed_all_reduces_merged"] == merged, stats
     rel = ((got - ref).abs().max() / ref.abs().max()).item()
     assert rel < 2e-2, rel
     if rank == 0:
@@ -247,7 +258,13 @@ def _hf_model(rank, model_type):
               f"logits rel diff {rel:.2e}")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe"])
+MOE_CONFIG = {"deepseek_v3": dict(first_k_dense_replace=0, n_routed_experts=16, n_group=1, topk_group=1,
+                                  n_shared_experts=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+                                  qk_nope_head_dim=16, v_head_dim=16, head_dim=16, num_key_value_heads=4)}
+EXPECTED = {"qwen3_moe": (5, 0), "deepseek_v3": (3, 2)}  # (fused sites, all-reduces merged); MLA is not TP'd
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
 def test_real_hf_moe_model_fuses_every_site_and_its_combines(model_type):
     run_workers(_hf_model, 2, model_type)
 

@@ -336,7 +336,8 @@ class FlashInferBackend(Backend):
         + residual, RMSNorm, in one kernel on the group's ordinary workspace (the one `prepare`
         made for this call's size: per group, outside CUDA-graph pools, agreed by every rank).
         index goes in as int32 [T, K]; the weights as [T, K] in the activation dtype (a per-row
-        scale is gathered to token order first)."""
+        scale is gathered to token order first; fp32 router weights are rounded: the kernel's
+        scale type is the activation type, and so is its accumulator)."""
         finalize = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_moe_finalize_allreduce_fusion
         state = self._groups[call.group_name]
         tokens, hidden = call.tokens, call.hidden

@@ -10,8 +10,10 @@ computes exactly that combine inside the all-reduce + residual + RMSNorm kernel,
 permuted rows, an index [T, K] (token, k) -> row and a scale [T, K]. `find` extracts those from a
 classified site: a sum over dim 1 of a [T, K, H] view of a row gather by a 1-D integer index, with
 the product by a per-row weight before the gather ([R, 1], scale_first) or after it ([T * K, 1]),
-operands in either order. Each intermediate must feed only the next one (the combine disappears
-from the graph). Then the chain is run on a probe (`forms.MOE_*`): its float64 mathematics must be
+operands in either order, and optionally a cast of the sum back to the rows' dtype: DeepSeek-style
+routers keep their weights in fp32, so the product, gather and sum run in fp32 and the result is
+rounded once (`.to(hidden_states.dtype)`). Each intermediate must feed only the next one (the
+combine disappears from the graph). Then the chain is run on a probe (`forms.MOE_*`): its float64 mathematics must be
 the combine's, and with the graph's dtypes `reference.moe_combine` must give the same bits, so the
 fused op's reference path reproduces the graph's rounding exactly. A term added to the combine
 before the all-reduce (`AR(combine + shared)`, what `collectives.merge` makes of DeepSeek's
@@ -31,9 +33,10 @@ from .classify import Site
 from .probe import ProbeError, evaluate
 from .region import hint, hinted_shape, reduce_dims, same_shape, value
 
-aten = torch.ops.aten
+aten, prims = torch.ops.aten, torch.ops.prims
 VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 INDEX_DTYPES = (torch.int64, torch.int32)
+CAST = prims.convert_element_type.default
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Combine:
     index: torch.fx.Node  # 1-D [T * K]: row of (token, k)
     top_k: int
     scale_first: bool
-    nodes: tuple[torch.fx.Node, ...]  # the combine's own nodes, graph order, ending in the sum [T, H]
+    nodes: tuple[torch.fx.Node, ...]  # the combine's own nodes, graph order, ending in its [T, H] result
     # A term added to the combine before the all-reduce (a shared expert's partial output, once
     # AR(combine) + AR(shared) became AR(combine + shared)), and the views and add that carry it.
     shared: torch.fx.Node | None = None
@@ -84,7 +87,8 @@ def _split_shared(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None
         while node.target in VIEWS and _only_user(node, views[-1] if views else x):
             views.append(node)
             node = node.args[0]
-        if node.target is aten.sum.dim_IntList and _only_user(node, views[-1] if views else x) \
+        summed = node.args[0] if node.target is CAST and isinstance(node.args[0], torch.fx.Node) else node
+        if summed.target is aten.sum.dim_IntList and _only_user(node, views[-1] if views else x) \
                 and all(same_shape(n, x) and value(n).dtype == value(x).dtype for n in (candidate, shared)):
             return node, shared, (*reversed(views), x)
     return x, None, ()
@@ -94,9 +98,14 @@ def find(site: Site) -> Combine | str:
     """The combine feeding `site`'s all-reduce, or why there is none."""
     region = site.region
     total, shared, tail = _split_shared(region.x)
+    consumer, cast = tail[0] if tail else region.all_reduce, None
+    if total.target is CAST and isinstance(total.args[0], torch.fx.Node):  # fp32 combine, rounded once
+        if not _only_user(total, consumer):
+            return "the combined value is read elsewhere too"
+        cast, consumer, total = total, total, total.args[0]
     if total.target is not aten.sum.dim_IntList:
         return "the all-reduce input is not a sum (no top-k combine)"
-    if not _only_user(total, tail[0] if tail else region.all_reduce):
+    if not _only_user(total, consumer):
         return "the combined value is read elsewhere too"
     if total.kwargs.get("dtype") is not None or (len(total.args) > 2 and total.args[2]) or total.kwargs.get("keepdim"):
         return "the sum keeps its dim or changes dtype"
@@ -133,23 +142,30 @@ def find(site: Site) -> Combine | str:
     index = indices[0]
     if value(index).dtype not in INDEX_DTYPES or hinted_shape(index) != (tokens * top_k,):
         return "the gather index is not a 1-D integer tensor of T * K entries"
-    dtype = value(rows).dtype
-    if value(scale).dtype != dtype or value(total).dtype != dtype or not dtype.is_floating_point:
-        return "rows, weights and the combine are not all of one floating dtype"
+    dtype, scale_dtype = value(rows).dtype, value(scale).dtype
+    if not (dtype.is_floating_point and scale_dtype.is_floating_point) \
+            or value(total).dtype != torch.promote_types(dtype, scale_dtype) \
+            or value(cast if cast is not None else total).dtype != dtype:
+        return (f"the combine does not compute in its operands' dtype and return to the rows' (rows {dtype}, "
+                f"weights {scale_dtype}, sum {value(total).dtype}"
+                + (f", cast to {value(cast).dtype})" if cast is not None else ")"))
     if not scale_first and hinted_shape(scale)[0] != tokens * top_k:
         return "the weights after the gather are not one per (token, k)"
-    combine = Combine(rows=rows, scale=scale, index=index, top_k=top_k, scale_first=scale_first, nodes=chain,
-                      shared=shared, tail=tail)
+    combine = Combine(rows=rows, scale=scale, index=index, top_k=top_k, scale_first=scale_first,
+                      nodes=chain + ((cast,) if cast is not None else ()), shared=shared, tail=tail)
     return _check_on_probe(combine, tokens) or combine
 
 
-def _probe_inputs(combine: Combine, dtype: torch.dtype, generator: torch.Generator):
+def _probe_inputs(combine: Combine, exact: bool, generator: torch.Generator):
+    """Rows and weights in the graph's dtypes (float64 when exact), a random index."""
     tokens, k = forms.MOE_PROBE_TOKENS, combine.top_k
     hidden = hinted_shape(combine.rows)[1]
+    dtype, scale_dtype = (torch.float64, torch.float64) if exact else \
+        (value(combine.rows).dtype, value(combine.scale).dtype)
     n = tokens * k
     rows = forms.probe_activation(n, hidden, dtype, generator) if n % 2 == 0 else \
         torch.randn(n, hidden, generator=generator, dtype=torch.float64).to(dtype)
-    scale = (0.05 + torch.rand(n, 1, generator=generator, dtype=torch.float64)).to(dtype)
+    scale = (0.05 + torch.rand(n, 1, generator=generator, dtype=torch.float64)).to(scale_dtype)
     index = torch.randperm(n, generator=generator).to(value(combine.index).dtype)
     return rows, scale, index
 
@@ -159,7 +175,7 @@ def _check_on_probe(combine: Combine, tokens: int) -> str | None:
     dtype = value(combine.rows).dtype
     for exact in (True, False):
         generator = torch.Generator().manual_seed(forms.MOE_PROBE_SEED)
-        rows, scale, index = _probe_inputs(combine, torch.float64 if exact else dtype, generator)
+        rows, scale, index = _probe_inputs(combine, exact, generator)
         inputs = {combine.rows: rows, combine.scale: scale, combine.index: index}
         try:
             got = evaluate(list(combine.nodes), inputs, exact=exact, tokens=tokens,

@@ -14,9 +14,16 @@ expert-sorted order, index = inverse permutation, one weight per permuted row):
    - site_only: compiled combine, then arfusion's plain fused op (FlashInfer allreduce_fusion);
    - moe_op: the MoE op as dispatched by the table (kernel up to the table's T, else site_only's path);
    - moe_kernel: the MoE op with the finalize kernel forced at every T.
-3. a shared expert's term added before the all-reduce (`shared`, FlashInfer's `shared_expert_output`).
+3. a shared expert's term added before the all-reduce (`shared`, FlashInfer's `shared_expert_output`),
+   with bf16 and with fp32 routing weights (DeepSeek's router: the graph's combine runs in fp32).
 Writes <out>/moe_combine_rank<r>.json (rank 0 also prints a table). Never uses FlashInfer's
 "auto"/"mnnvl" backends (the backend asks for "trtllm" only).
+
+--shared-gpu: every rank on GPU 0 (a one-GPU machine), a gloo group, correctness only (1 and 3;
+no timings: the ranks' kernels take turns on the GPU). The backend's "two ranks share one GPU"
+guard is lifted for this check only: FlashInfer's IPC workspace maps the other process's buffers
+on the same device, and its one-shot kernel waits for the other rank's data, which arrives when
+the GPU switches to that process, so the NRanks=2 kernel computes what it computes on two GPUs.
 """
 
 from __future__ import annotations
@@ -92,35 +99,59 @@ def make_unfused(group_name):
     return unfused
 
 
-def exact(rows, scale, index, residual, weight, group_name):
-    """Reference outputs: the combine in fp32, all-reduced in fp32, then the model's roundings."""
+def all_reduced(t, group_name):
+    """fp32 sum over the group, through the CPU (works on gloo and NCCL groups alike; not timed)."""
+    host = t.float().cpu()
+    dist.all_reduce(host, group=dist.distributed_c10d._resolve_process_group(group_name))
+    return host.to(t.device)
+
+
+def exact(rows, scale, index, residual, weight, group_name, shared=None):
+    """Reference outputs: the combine [+ shared] in fp32, all-reduced in fp32, then the model's roundings."""
     combined = ((rows.float() * scale.float())[index]).view(-1, K, rows.shape[-1]).sum(1)
-    dist.all_reduce(combined, group=dist.distributed_c10d._resolve_process_group(group_name))
-    h = (residual.float() + combined).to(DTYPE)
+    if shared is not None:
+        combined = combined + shared.float()
+    h = (residual.float() + all_reduced(combined, group_name)).to(DTYPE)
     return h, reference.rms_norm(h, weight, EPS, "rms")
 
 
 def check_shared_expert(device, rank, group_name, kernel_calls, failures):
     """A shared expert's partial output added before the all-reduce (the op's `shared`, FlashInfer's
-    `shared_expert_output`): eager, against the fp32 reference with the term, per (hidden, T)."""
+    `shared_expert_output`), with the routing weights in bf16 and in fp32 (DeepSeek): eager,
+    against the fp32 reference with the term, per (hidden, T)."""
     checks = []
     for hidden in HIDDENS:
         for tokens in (1, 8):
-            rows, scale, index, residual, weight = make_inputs(tokens, hidden, device, rank, seed=2)
-            shared = torch.randn(tokens, hidden, device=device, generator=torch.Generator(device=device).manual_seed(
-                rank + 7)).to(DTYPE)
-            kernel_calls[0] = 0
-            got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
-                rows, scale, index, K, True, residual, weight, EPS, None, group_name, "rms", "none", None, True,
-                "flashinfer", -1, shared=shared)
-            combined = ((rows.float() * scale.float())[index]).view(-1, K, hidden).sum(1) + shared.float()
-            dist.all_reduce(combined, group=dist.distributed_c10d._resolve_process_group(group_name))
-            h = (residual.float() + combined).to(DTYPE)
-            errs = {"residual": rel(got[0], h), "norm": rel(got[1], reference.rms_norm(h, weight, EPS, "rms"))}
-            checks.append({"hidden": hidden, "tokens": tokens, "ran_kernel": kernel_calls[0] > 0, "rel_err": errs})
-            if max(errs.values()) > TOL:
-                failures.append(f"shared expert H={hidden} T={tokens}: {errs}")
+            for weights_dtype in (DTYPE, torch.float32):
+                rows, scale, index, residual, weight = make_inputs(tokens, hidden, device, rank, seed=2)
+                scale = torch.rand(scale.shape, generator=torch.Generator().manual_seed(3)).to(device, weights_dtype)
+                shared = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank + 7)).to(
+                    device, DTYPE)
+                kernel_calls[0] = 0
+                got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
+                    rows, scale, index, K, True, residual, weight, EPS, None, group_name, "rms", "none", None,
+                    True, "flashinfer", -1, shared=shared)
+                h, normed = exact(rows, scale, index, residual, weight, group_name, shared)
+                errs = {"residual": rel(got[0], h), "norm": rel(got[1], normed)}
+                checks.append({"hidden": hidden, "tokens": tokens, "weights": str(weights_dtype),
+                               "ran_kernel": kernel_calls[0] > 0, "rel_err": errs})
+                if max(errs.values()) > TOL or got[0].dtype != DTYPE:
+                    failures.append(f"shared expert H={hidden} T={tokens} {weights_dtype}: {errs}, {got[0].dtype}")
     return checks
+
+
+def lift_shared_gpu_guard():
+    """--shared-gpu only: give each rank its own device id in the facts the FlashInfer backend
+    gathers, so its "two ranks share one GPU" verdict does not decline the group."""
+    from arfusion.backends import flashinfer as fi
+
+    real = fi._rank_facts
+
+    def per_rank(index):
+        host, uuid, *rest = real(index)
+        return [host, uuid + 1 + dist.get_rank(), *rest]
+
+    fi._rank_facts = per_rank
 
 
 def rel(a, b):
@@ -159,10 +190,15 @@ def time_graph(graph, group):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0, gloo, correctness only")
     args = p.parse_args()
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    local = 0 if args.shared_gpu else int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if args.shared_gpu:
+        dist.init_process_group("gloo")
+        lift_shared_gpu_guard()
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     group_name = group.group_name
@@ -180,7 +216,8 @@ def main():
     sm = torch.cuda.get_device_capability(device)[0]
     table_cap = dispatch.MOE_FINALIZE_MAX_TOKENS.get((sm, world))
     results = {"device": torch.cuda.get_device_name(device), "world": world, "K": K, "table_cap": table_cap,
-               "samples": SAMPLES, "replays_per_sample": REPLAYS, "cases": []}
+               "shared_gpu": args.shared_gpu, "samples": SAMPLES, "replays_per_sample": REPLAYS, "cases": []}
+    timed = not args.shared_gpu
     site_only, unfused = make_site_only(group_name), make_unfused(group_name)
     failures = []
     for hidden in HIDDENS:
@@ -212,12 +249,18 @@ def main():
                     case[f"{name}_rel_err"] = errs
                     if max(errs.values()) > TOL:
                         failures.append(f"{name} H={hidden} T={tokens}: {errs}")
-                    case[f"{name}_us"] = time_graph(graph, group)
+                    case[f"{name}_us"] = time_graph(graph, group) if timed else None
                     del graph
                 finally:
                     dispatch.MOE_FINALIZE_MAX_TOKENS.clear()
                     dispatch.MOE_FINALIZE_MAX_TOKENS.update(saved)
                 inputs = make_inputs(tokens, hidden, device, rank)
+            results["cases"].append(case)
+            if not timed:
+                if rank == 0:
+                    print(f"H={hidden:5d} T={tokens:3d}: moe_op kernel {case['moe_op_ran_kernel']} err "
+                          f"{case['moe_op_rel_err']}; moe_kernel err {case['moe_kernel_rel_err']}", flush=True)
+                continue
             for name in ("unfused", "site_only"):
                 fn = variants[name]
                 got = fn(*inputs)
@@ -228,7 +271,6 @@ def main():
                 del graph
             for name in ("site_only", "moe_op", "moe_kernel"):
                 case[f"speedup_{name}_vs_unfused"] = case["unfused_us"] / case[f"{name}_us"]
-            results["cases"].append(case)
             if rank == 0:
                 print(f"H={hidden:5d} T={tokens:3d}: unfused {case['unfused_us']:7.1f} us, site_only "
                       f"{case['site_only_us']:7.1f}, moe_op {case['moe_op_us']:7.1f} (kernel: "

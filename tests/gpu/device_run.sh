@@ -82,6 +82,10 @@ for s in "$@"; do
         --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT"
       stage moe2-dsv2 "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type deepseek_v2 \
         --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT" ;;
+    moecheck2) stage moecheck2 "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --out "$OUT/moe_combine" ;;
+    # Where only one GPU is lent: the same correctness checks with both ranks on GPU 0 (gloo, no timings).
+    moecheck1shared) stage moecheck1shared "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --shared-gpu \
+      --out "$OUT/moe_combine_shared_gpu" ;;
     # Quantized all-reduce (issue 14 part 3): op level at 1-64 MiB per rank (bench_quantized_w2.json),
     # then a Llama-3-8B-shaped prefill off / on / on + fp8 (decode_llama_w2_quantized.json).
     # quantized2 runs both, one after the other (limits 200 + 390 s: near a 10-minute command with
