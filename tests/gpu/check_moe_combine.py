@@ -29,7 +29,9 @@ the GPU switches to that process, so the NRanks=2 kernel computes what it comput
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
 import os
 import statistics
 import time
@@ -140,6 +142,29 @@ def check_shared_expert(device, rank, group_name, kernel_calls, failures):
     return checks
 
 
+def graph_probe(backend, device, rank, group_name, kernel_calls):
+    """--shared-gpu: one CUDA-graph capture and replay of the finalize kernel, PDL off (back-to-back
+    launches with PDL hung the two ranks' warm-up on one GPU once); last, so a hang costs nothing
+    recorded before it."""
+    backend.launch_with_pdl = False
+    inputs = make_inputs(8, 2048, device, rank, seed=5)
+    kernel_calls[0] = 0
+    progress(rank, "graph probe: capture")
+    graph, outs = graph_of(lambda *a: moe_op(*a, group_name), inputs)
+    for static, new in zip(inputs, make_inputs(8, 2048, device, rank, seed=6)):
+        static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = exact(*inputs, group_name)
+    errs = {"residual": rel(outs[0], want[0]), "norm": rel(outs[1], want[1]), "ran_kernel": kernel_calls[0] > 0}
+    progress(rank, f"graph probe: replayed, {errs}")
+    return errs
+
+
+def progress(rank, what):
+    print(f"{time.strftime('%H:%M:%S')} rank {rank}: {what}", flush=True)
+
+
 def lift_shared_gpu_guard():
     """--shared-gpu only: give each rank its own device id in the facts the FlashInfer backend
     gathers, so its "two ranks share one GPU" verdict does not decline the group."""
@@ -195,6 +220,10 @@ def main():
     local = 0 if args.shared_gpu else int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     if args.shared_gpu:
+        # A hang (ranks waiting on each other's kernel) shows where it sits, then the run ends.
+        faulthandler.dump_traceback_later(float(os.environ.get("CHECK_HANG_S", 200)), exit=True)
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+        logging.getLogger("arfusion").setLevel(logging.INFO)
         dist.init_process_group("gloo")
         lift_shared_gpu_guard()
     else:
@@ -234,10 +263,17 @@ def main():
                     dispatch.MOE_FINALIZE_MAX_TOKENS[(sm, world)] = 1 << 20
                 try:
                     kernel_calls[0] = 0
+                    progress(rank, f"H={hidden} T={tokens} {name}: eager")
                     got = moe_op(*inputs, group_name)  # eager: creates the workspace outside any capture
                     torch.cuda.synchronize()
+                    progress(rank, f"H={hidden} T={tokens} {name}: eager done, kernel {kernel_calls[0] > 0}")
                     case[f"{name}_ran_kernel"] = kernel_calls[0] > 0
                     errs = {"residual": rel(got[0], want[0]), "norm": rel(got[1], want[1])}
+                    case[f"{name}_rel_err"] = errs
+                    if not timed:  # shared GPU: eager only here, one graph at the end (graph_probe)
+                        if max(errs.values()) > TOL:
+                            failures.append(f"{name} H={hidden} T={tokens}: {errs}")
+                        continue
                     graph, outs = graph_of(lambda *a: moe_op(*a, group_name), inputs)
                     fresh = make_inputs(tokens, hidden, device, rank, seed=1)
                     for static, new in zip(inputs, fresh):
@@ -284,6 +320,9 @@ def main():
     (out / f"moe_combine_rank{rank}.json").write_text(json.dumps(results, indent=1))
     if rank == 0:
         print("FAILURES:" if failures else "all within tolerance", *failures, sep="\n")
+    if not timed:
+        results["graph_probe"] = graph_probe(backend, device, rank, group_name, kernel_calls)
+        (out / f"moe_combine_rank{rank}.json").write_text(json.dumps(results, indent=1))
     backend.close()
     dist.barrier()
     dist.destroy_process_group()
