@@ -95,10 +95,27 @@ def quant_problem(form: str, sm_major: int, cuda_version: str | None) -> str | N
 # 0.44x at T=1/8/32/64/128, hidden 4096 1.50/1.75/1.18x at T=1/8/32: decode sizes only. Other
 # worlds and GPUs are unmeasured (tests/gpu/check_moe_combine.py measures them).
 MOE_FINALIZE_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 2): 32}
+# ...but only on request. In FlashInfer 0.7.2.post1 (and its main branch of 2026-08) the finalize
+# kernel reads each peer's values from that peer's Lamport buffer
+# (trtllm_moe_allreduce_fusion.cuh, `comm.data_bufs[r]` in the load loop), where every other
+# one-shot kernel reads its own buffer. A rank that has its values finishes the call, and its next
+# one-shot call on the workspace (any kernel) re-arms that same region with -0 while a slower peer
+# may still be reading it: the peer then waits forever. Two ranks time-sliced on one H100 hang
+# on the second of two queued calls; FlashInfer's plain fused kernel passes the same test
+# (docs/flashinfer.md). Real GPUs drift less, but a hang is not a risk to take by default.
+MOE_FINALIZE_OPT_IN_ENV = "ARFUSION_FLASHINFER_MOE_FINALIZE"
+MOE_FINALIZE_HAZARD = (f"FlashInfer's MoE finalize kernel can hang when ranks drift apart (it reads its peers' "
+                       f"buffers, which they re-arm on their next call); {MOE_FINALIZE_OPT_IN_ENV}=1 uses it anyway")
+
+
+def moe_finalize_opted_in() -> bool:
+    return os.environ.get(MOE_FINALIZE_OPT_IN_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def moe_finalize_problem(sm_major: int, world_size: int, tokens: int | None) -> str | None:
     """Why FlashInfer's MoE finalize kernel is not used for this call (tokens None: not known yet)."""
+    if not moe_finalize_opted_in():
+        return MOE_FINALIZE_HAZARD
     cap = MOE_FINALIZE_MAX_TOKENS.get((sm_major, world_size))
     if cap is None:
         return f"no MoE-finalize dispatch entry for SM {sm_major}x, world size {world_size}"
@@ -212,4 +229,5 @@ def table_hash() -> str:
                        for k, v in SEED_TABLE.items()))
     seed += repr(sorted(GROUP_QUANT_MAX_MIB.items())) + repr(sorted(QUANT_MIN_SM.items()))
     seed += repr(sorted(MOE_FINALIZE_MAX_TOKENS.items())) + repr(sorted(QUANTIZED_MIN_MIB.items()))
+    seed += repr(moe_finalize_opted_in())
     return hashlib.sha256(f"{seed}|{cache_hash()}".encode()).hexdigest()[:16]

@@ -217,6 +217,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0, gloo, correctness only")
     args = p.parse_args()
+    os.environ[dispatch.MOE_FINALIZE_OPT_IN_ENV] = "1"  # the kernel under test is off by default (its hazard)
     local = 0 if args.shared_gpu else int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     if args.shared_gpu:

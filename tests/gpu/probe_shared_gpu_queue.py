@@ -1,0 +1,60 @@
+"""Do FlashInfer's one-shot kernels finish when two ranks share one GPU and queue several calls?
+
+    torchrun --nproc-per-node 2 tests/gpu/probe_shared_gpu_queue.py
+
+Context for check_moe_combine.py --shared-gpu, whose CUDA-graph warm-up (three calls queued
+without a synchronize) hung while every eager call followed by a synchronize finished. Here the
+same question for arfusion's plain fused site (FlashInfer `allreduce_fusion`, which has run in
+CUDA graphs on two H200s) and for the MoE op: 1 call + sync, then 2 and 3 calls queued + sync,
+each step printed; a watchdog ends the run at the first step that does not finish. If the plain
+site hangs the same way, the hang is the shared GPU's (ranks time-sliced), not the MoE call's.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_moe_combine import EPS, K, lift_shared_gpu_guard, make_inputs, moe_op  # noqa: E402
+
+import arfusion  # noqa: E402,F401
+
+
+def plain_site(rows, scale, index, residual, weight, group_name):
+    combined = arfusion.reference.moe_combine(rows, scale, index, K, True)
+    return torch.ops.arfusion.fused_allreduce_rmsnorm(
+        combined, residual, weight, EPS, None, group_name, "rms", "none", None, True, "flashinfer", -1)
+
+
+def main():
+    from arfusion.backends import flashinfer_dispatch as dispatch
+
+    os.environ[dispatch.MOE_FINALIZE_OPT_IN_ENV] = "1"  # the kernel under test is off by default
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo")
+    lift_shared_gpu_guard()
+    rank, group_name = dist.get_rank(), dist.group.WORLD.group_name
+    inputs = make_inputs(8, 2048, torch.device("cuda", 0), rank)
+    for name, fn in (("plain site", plain_site), ("moe op", moe_op)):
+        for queued in (1, 1, 2, 3):
+            dist.barrier()
+            faulthandler.dump_traceback_later(float(os.environ.get("PROBE_HANG_S", 40)), exit=True)
+            started = time.perf_counter()
+            for _ in range(queued):
+                fn(*inputs, group_name)
+            torch.cuda.synchronize()
+            faulthandler.cancel_dump_traceback_later()
+            print(f"rank {rank}: {name}: {queued} queued call(s) finished in "
+                  f"{(time.perf_counter() - started) * 1e3:.1f} ms", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
