@@ -31,8 +31,9 @@ class GroupedExperts(nn.Module):
     """A router, one linear per expert run on expert-sorted rows (HF `grouped_mm` layout), the
     top-k combine spelled as `variant` says, the all-reduce, the residual add and Llama's norm."""
 
-    def __init__(self, variant="hf", dtype=torch.bfloat16, shared=None, fp32_weights=False):
+    def __init__(self, variant="hf", dtype=torch.bfloat16, shared=None, fp32_weights=False, routed_scale=None):
         super().__init__()
+        self.routed_scale = routed_scale  # Laguna: AR(routed) * routed_scaling_factor + AR(shared)
         self.shared = shared  # None | "plain" (DeepSeek: a row-parallel shared expert) | "gated" (Qwen3-Next)
         # DeepSeek's router keeps its weights in fp32: the combine runs in fp32, then `.to(dtype)`.
         self.fp32_weights = fp32_weights
@@ -75,6 +76,8 @@ class GroupedExperts(nn.Module):
         out = out.to(x.dtype)  # HF's grouped experts return the activation dtype (a no-op unless fp32 weights)
         dist.all_reduce(out)
         out = out.view(x.shape)
+        if self.routed_scale is not None:
+            out = out * self.routed_scale
         if self.shared:  # all-reduced apart, then added: the pass merges the two all-reduces first
             shared = self.shared_expert(x)
             dist.all_reduce(shared)
@@ -148,6 +151,17 @@ def test_a_shared_expert_goes_into_the_op_with_the_combine(fake_pg, shared, fp32
     assert stats["fused_sites"] == 1 and stats["moe_combines_fused"] == 1
 
 
+@pytest.mark.parametrize("routed_scale, combine_fused", [(1.0, True), (2.5, False)])
+def test_routed_scaling_factor(fake_pg, routed_scale, combine_fused):
+    """Laguna: AR(routed) * s + AR(shared). The two all-reduces merge either way; the combine goes
+    into the op when s is 1 (an exact identity), not otherwise (the op has no scale argument)."""
+    torch.manual_seed(0)
+    _, _, stats, seen = compile_run(GroupedExperts(shared="plain", routed_scale=routed_scale), _inputs())
+    assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
+    assert seen == {"moe": int(combine_fused), "plain": int(not combine_fused), "left": 0}, seen
+    assert stats["moe_combines_fused"] == int(combine_fused)
+
+
 def test_switched_off(fake_pg):
     torch.manual_seed(0)
     _, _, stats, seen = compile_run(GroupedExperts(), _inputs(), fuse_moe_combine=False)
@@ -177,7 +191,7 @@ def _numerics(rank, dynamic):
     torch.manual_seed(0)  # same weights on every rank
     variants = ("hf",) if dynamic else ("hf", "weights_first", "gather_then_scale")  # time: dynamic once
     models = [GroupedExperts(v) for v in variants] + ([] if dynamic else [
-        GroupedExperts(shared="plain"), GroupedExperts(shared="plain", fp32_weights=True),
+        GroupedExperts(shared="plain"), GroupedExperts(shared="plain", fp32_weights=True, routed_scale=1.0),
         GroupedExperts("gather_then_scale", fp32_weights=True)])
     gated = None if dynamic else _tensor_parallel(GroupedExperts(shared="gated"), rank)
     torch.manual_seed(7)

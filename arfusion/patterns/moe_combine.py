@@ -75,16 +75,24 @@ def _row_weight(a: torch.fx.Node, b: torch.fx.Node, rows_dim: int):
     return None
 
 
+def _passes_through(node: torch.fx.Node) -> bool:
+    """A view, or a product with the literal 1 (a routed scaling factor of 1.0: bit-exact identity)."""
+    if node.target in VIEWS:
+        return True
+    return node.target is aten.mul.Tensor and not node.kwargs and len(node.args) == 2 \
+        and isinstance(node.args[0], torch.fx.Node) and type(node.args[1]) in (int, float) and node.args[1] == 1
+
+
 def _split_shared(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, tuple[torch.fx.Node, ...]]:
     """(the combine candidate, the term added to it or None, the views and add between them and x).
     `x = view(combine) + shared` (either order) with both of x's shape and dtype: a shared
-    expert's partial output summed in before the all-reduce."""
+    expert's partial output summed in before the all-reduce. `combine * 1` counts as a view."""
     if x.target is not aten.add.Tensor or x.kwargs or len(x.args) != 2 \
             or not all(isinstance(a, torch.fx.Node) for a in x.args):
         return x, None, ()
     for i, candidate in enumerate(x.args):
         shared, views, node = x.args[1 - i], [], candidate
-        while node.target in VIEWS and _only_user(node, views[-1] if views else x):
+        while _passes_through(node) and _only_user(node, views[-1] if views else x):
             views.append(node)
             node = node.args[0]
         summed = node.args[0] if node.target is CAST and isinstance(node.args[0], torch.fx.Node) else node
