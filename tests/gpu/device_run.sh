@@ -82,6 +82,11 @@ for s in "$@"; do
         --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT"
       stage moe2-dsv2 "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type deepseek_v2 \
         --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT" ;;
+    # The same with FlashInfer's MoE finalize kernel opted in (off by default: it can hang when ranks
+    # drift apart, docs/flashinfer.md), tagged apart.
+    moe2fin) stage moe2fin-qwen3 "${LIMIT:-280}" env ARFUSION_FLASHINFER_MOE_FINALIZE=1 $TORCHRUN 2 \
+        benchmarks/bench_hf_decode.py --model-type qwen3_moe --layers ${MOE_LAYERS:-8} --phases decode accuracy \
+        --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --tag finalize --out "$OUT" ;;
     moecheck2) stage moecheck2 "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --out "$OUT/moe_combine" ;;
     # Where only one GPU is lent: the same correctness checks with both ranks on GPU 0 (gloo, no timings).
     moecheck1shared) stage moecheck1shared "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --shared-gpu \
