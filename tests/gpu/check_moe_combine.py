@@ -24,6 +24,11 @@ no timings: the ranks' kernels take turns on the GPU). The backend's "two ranks 
 guard is lifted for this check only: FlashInfer's IPC workspace maps the other process's buffers
 on the same device, and its one-shot kernel waits for the other rank's data, which arrives when
 the GPU switches to that process, so the NRanks=2 kernel computes what it computes on two GPUs.
+The ranks drift far apart this way, which is how the finalize kernel's hang was found (two
+queued calls never finish; docs/flashinfer.md): the cases run eagerly with a synchronize after
+each call, and the one CUDA graph comes last, behind a watchdog.
+The kernel under test is opted in here (ARFUSION_FLASHINFER_MOE_FINALIZE=1); arfusion leaves it
+off by default.
 """
 
 from __future__ import annotations
