@@ -25,8 +25,9 @@ E = 4
 class RoutedPlusShared(nn.Module):
     """DeepSeek-style end of an MoE layer (`terms` all-reduced outputs summed, then the residual)."""
 
-    def __init__(self, terms=2, dtype=torch.bfloat16, groups=None, shared_read_elsewhere=False):
+    def __init__(self, terms=2, dtype=torch.bfloat16, groups=None, shared_read_elsewhere=False, widen=False):
         super().__init__()
+        self.widen = widen  # HY-V3: (routed.float() + shared.float()).to(dtype)
         self.experts = nn.ModuleList(nn.Linear(H, H, bias=False, dtype=dtype) for _ in range(terms))
         self.weight = nn.Parameter(1 + 0.1 * torch.randn(H, dtype=dtype))
         self.groups = groups or [None] * terms
@@ -39,7 +40,7 @@ class RoutedPlusShared(nn.Module):
             dist.all_reduce(y, group=group)
             y = y.view(x.shape)
             outs.append(y)
-            total = y if total is None else total + y
+            total = y if total is None else (total.float() + y.float()).to(y.dtype) if self.widen else total + y
         h = residual + total
         normed = NORMS["hf_llama"][0](h, self.weight, 1e-6)
         return (normed, h, outs[1] * 2) if self.shared_read_elsewhere else (normed, h)
@@ -124,6 +125,17 @@ def test_routed_plus_shared_becomes_one_all_reduce_and_fuses(fake_pg):
     assert_matches_eager(actual, expected)
 
 
+def test_a_sum_taken_in_fp32_and_cast_back_becomes_one_all_reduce(fake_pg):
+    """HY-V3: (AR(routed).float() + AR(shared).float()).to(bf16) -> AR((routed.float() +
+    shared.float()).to(bf16)): the same sum and rounding, per rank, before the reduction."""
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(RoutedPlusShared(widen=True))
+    assert left == 0 and len(fused) == 1 and fused[0][1] is not None
+    assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
+    for a, e in zip(actual, expected):
+        assert_close(a, e, torch.bfloat16, "widened")
+
+
 def test_three_all_reduces_summed_become_one(fake_pg):
     fused, left, _, _, stats = run(RoutedPlusShared(terms=3))
     assert left == 0 and len(fused) == 1 and stats["summed_all_reduces_merged"] == 2
@@ -173,7 +185,7 @@ def _tensor_parallel_gated_expert(rank):
 
 def _moe_ends(rank, dynamic):
     torch.manual_seed(0)  # same weights on every rank
-    models = [RoutedPlusShared(), RoutedPlusShared(terms=3), ExpertRowsSummed(),
+    models = [RoutedPlusShared(), RoutedPlusShared(terms=3), RoutedPlusShared(widen=True), ExpertRowsSummed(),
               ExpertRowsSummed(sum_dtype=torch.float32), ReplicatedSharedExpert()]
     torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
     inputs = (torch.randn(1, 6, H, dtype=torch.bfloat16), torch.randn(1, 6, H, dtype=torch.bfloat16))

@@ -31,8 +31,10 @@ class GroupedExperts(nn.Module):
     """A router, one linear per expert run on expert-sorted rows (HF `grouped_mm` layout), the
     top-k combine spelled as `variant` says, the all-reduce, the residual add and Llama's norm."""
 
-    def __init__(self, variant="hf", dtype=torch.bfloat16, shared=None, fp32_weights=False, routed_scale=None):
+    def __init__(self, variant="hf", dtype=torch.bfloat16, shared=None, fp32_weights=False, routed_scale=None,
+                 widen_sum=False):
         super().__init__()
+        self.widen_sum = widen_sum  # HY-V3: (routed.float() + shared.float()).to(dtype)
         self.routed_scale = routed_scale  # Laguna: AR(routed) * routed_scaling_factor + AR(shared)
         self.shared = shared  # None | "plain" (DeepSeek: a row-parallel shared expert) | "gated" (Qwen3-Next)
         # DeepSeek's router keeps its weights in fp32: the combine runs in fp32, then `.to(dtype)`.
@@ -83,7 +85,7 @@ class GroupedExperts(nn.Module):
             dist.all_reduce(shared)
             if self.shared == "gated":
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
-            out = out + shared
+            out = (out.float() + shared.float()).to(out.dtype) if self.widen_sum else out + shared
         h = residual + out
         return (NORMS["hf_llama"][0](h, self.weight, 1e-6), h, *extra)
 
@@ -139,13 +141,15 @@ def test_lookalikes_fuse_the_site_alone(fake_pg, variant, why, caplog):
     assert "no MoE top-k combine fused" in caplog.text and why in caplog.text, caplog.text
 
 
-@pytest.mark.parametrize("shared, fp32_weights", [("plain", True), ("plain", False), ("gated", False)])
-def test_a_shared_expert_goes_into_the_op_with_the_combine(fake_pg, shared, fp32_weights):
-    """DeepSeek (fp32 router weights) / Qwen3-Next: AR(combine) + [gate *] AR(shared) ->
-    AR(combine + [gate *] shared): one all-reduce, and the op takes the combine's inputs and the
-    shared term (FlashInfer's shared_expert_output)."""
+@pytest.mark.parametrize("shared, fp32_weights, widen_sum", [
+    ("plain", True, False), ("plain", False, False), ("gated", False, False), ("plain", True, True)])
+def test_a_shared_expert_goes_into_the_op_with_the_combine(fake_pg, shared, fp32_weights, widen_sum):
+    """DeepSeek (fp32 router weights) / Qwen3-Next / HY-V3 (the sum in fp32, cast back):
+    AR(combine) + [gate *] AR(shared) -> AR(combine + [gate *] shared): one all-reduce, and the op
+    takes the combine's inputs and the shared term (FlashInfer's shared_expert_output)."""
     torch.manual_seed(0)
-    _, _, stats, seen = compile_run(GroupedExperts(shared=shared, fp32_weights=fp32_weights), _inputs())
+    model = GroupedExperts(shared=shared, fp32_weights=fp32_weights, widen_sum=widen_sum)
+    _, _, stats, seen = compile_run(model, _inputs())
     assert seen == {"moe": 1, "plain": 0, "left": 0}, seen
     assert stats["summed_all_reduces_merged"] == 1 and stats["gated_all_reduces_merged"] == (shared == "gated")
     assert stats["fused_sites"] == 1 and stats["moe_combines_fused"] == 1
@@ -192,6 +196,7 @@ def _numerics(rank, dynamic):
     variants = ("hf",) if dynamic else ("hf", "weights_first", "gather_then_scale")  # time: dynamic once
     models = [GroupedExperts(v) for v in variants] + ([] if dynamic else [
         GroupedExperts(shared="plain"), GroupedExperts(shared="plain", fp32_weights=True, routed_scale=1.0),
+        GroupedExperts(shared="plain", fp32_weights=True, widen_sum=True),
         GroupedExperts("gather_then_scale", fp32_weights=True)])
     gated = None if dynamic else _tensor_parallel(GroupedExperts(shared="gated"), rank)
     torch.manual_seed(7)

@@ -98,21 +98,37 @@ def _into_residual_stream(node: torch.fx.Node) -> bool:
     return False
 
 
+def _widened_sum(add: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node] | None:
+    """(the two operands before their upcasts, the cast back) if `add` is
+    `(a.to(wide) + b.to(wide)).to(narrow)` with a and b narrow, each cast read only by the add:
+    HY-V3's `enable_moe_fp32_combine`, `(routed.float() + shared.float()).to(dtype)`."""
+    (back,) = add.users if len(add.users) == 1 else (None,)
+    if back is None or back.target is not CONVERT or any(
+            a.target is not CONVERT or len(a.users) != 1 or not isinstance(a.args[0], torch.fx.Node)
+            or value(a.args[0]).dtype != back.args[1] for a in add.args):
+        return None
+    return [a.args[0] for a in add.args], back
+
+
 def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     """add([f *] AR(a), [f *] AR(b)) on one group -> AR([f *] a + [f *] b); "plain" or "gated"
-    (a term had a factor) where merged, else None."""
+    (a term had a factor) where merged, else None. The sum of the two upcast and cast back
+    (`_widened_sum`) is taken the same way per rank before the reduction: one rounding to the
+    narrow dtype per rank where the graph rounded after each all-reduce and after the sum."""
     if add.target is not aten.add.Tensor or add.kwargs or len(add.args) != 2 \
             or not all(isinstance(a, torch.fx.Node) for a in add.args):
         return None
-    terms = [_term(a) for a in add.args]
+    widened = _widened_sum(add)
+    operands, result = widened if widened else (list(add.args), add)
+    terms = [_term(a) for a in operands]
     if None in terms or terms[0].all_reduce is terms[1].all_reduce:
         return None
-    out = value(add)
+    out = value(result)
     if terms[0].all_reduce.args[2] != terms[1].all_reduce.args[2] \
             or any(value(t.x).dtype != out.dtype or value(t.x).numel() != out.numel() for t in terms):
         return None
     gated = any(t.factor is not None for t in terms)
-    if gated and not _into_residual_stream(add):
+    if gated and not _into_residual_stream(result):
         return None
     build = Builder(graph, add)
     sources = [*(t.x for t in terms), *(t.reduced for t in terms), add]
@@ -126,9 +142,15 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
         for node in reversed(build.added):
             graph.erase_node(node)
         return None
-    summed = build.call(aten.add.Tensor, *parts)
-    dead = [node for t in terms for node in (*t.chain, t.all_reduce)]
-    _replace_with_all_reduce(graph, add, build, summed, terms[0].all_reduce.args[2], dead)
+    if widened:
+        wide = value(add).dtype
+        summed = build.call(CONVERT, build.call(aten.add.Tensor, *(build.call(CONVERT, p, wide) for p in parts)),
+                            out.dtype)
+        dead = [add, *add.args]
+    else:
+        summed, dead = build.call(aten.add.Tensor, *parts), []
+    dead += [node for t in terms for node in (*t.chain, t.all_reduce)]
+    _replace_with_all_reduce(graph, result, build, summed, terms[0].all_reduce.args[2], dead)
     return "gated" if gated else "plain"
 
 

@@ -83,30 +83,52 @@ def _passes_through(node: torch.fx.Node) -> bool:
         and isinstance(node.args[0], torch.fx.Node) and type(node.args[1]) in (int, float) and node.args[1] == 1
 
 
-def _split_shared(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, tuple[torch.fx.Node, ...]]:
-    """(the combine candidate, the term added to it or None, the views and add between them and x).
-    `x = view(combine) + shared` (either order) with both of x's shape and dtype: a shared
-    expert's partial output summed in before the all-reduce. `combine * 1` counts as a view."""
-    if x.target is not aten.add.Tensor or x.kwargs or len(x.args) != 2 \
-            or not all(isinstance(a, torch.fx.Node) for a in x.args):
-        return x, None, ()
-    for i, candidate in enumerate(x.args):
-        shared, views, node = x.args[1 - i], [], candidate
-        while _passes_through(node) and _only_user(node, views[-1] if views else x):
+def _addends(x: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node], tuple[torch.fx.Node, ...]] | None:
+    """([a, b], the node reading each, the add's own nodes in graph order) for `x = a + b`, or for
+    `x = (a.to(wide) + b.to(wide)).to(narrow)` with a, b narrow (HY-V3's fp32 sum of routed and
+    shared: the same bits as the narrow add, which computes in fp32 and rounds once)."""
+    def plain_add(node):
+        return node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2 \
+            and all(isinstance(a, torch.fx.Node) for a in node.args)
+
+    if plain_add(x):
+        return list(x.args), [x, x], (x,)
+    add = x.args[0] if x.target is CAST and isinstance(x.args[0], torch.fx.Node) else None
+    if add is None or not plain_add(add) or not _only_user(add, x) or any(
+            a.target is not CAST or not _only_user(a, add) or not isinstance(a.args[0], torch.fx.Node)
+            or value(a.args[0]).dtype != value(x).dtype for a in add.args):
+        return None
+    return [a.args[0] for a in add.args], list(add.args), (*add.args, add, x)
+
+
+def _split_shared(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, tuple[torch.fx.Node, ...],
+                                             torch.fx.Node | None]:
+    """(the combine candidate, the term added to it or None, the views and add between them and x,
+    the node reading the candidate there or None where there is no such term).
+    `x = view(combine) + shared` (either order, also summed in fp32 and cast back: `_addends`)
+    with both of x's shape and dtype: a shared expert's partial output summed in before the
+    all-reduce. `combine * 1` counts as a view."""
+    found = _addends(x)
+    if found is None:
+        return x, None, (), None
+    addends, readers, add_nodes = found
+    for i, candidate in enumerate(addends):
+        shared, views, node = addends[1 - i], [], candidate
+        while _passes_through(node) and _only_user(node, views[-1] if views else readers[i]):
             views.append(node)
             node = node.args[0]
         summed = node.args[0] if node.target is CAST and isinstance(node.args[0], torch.fx.Node) else node
-        if summed.target is aten.sum.dim_IntList and _only_user(node, views[-1] if views else x) \
+        if summed.target is aten.sum.dim_IntList and _only_user(node, views[-1] if views else readers[i]) \
                 and all(same_shape(n, x) and value(n).dtype == value(x).dtype for n in (candidate, shared)):
-            return node, shared, (*reversed(views), x)
-    return x, None, ()
+            return node, shared, (*reversed(views), *add_nodes), views[-1] if views else readers[i]
+    return x, None, (), None
 
 
 def find(site: Site) -> Combine | str:
     """The combine feeding `site`'s all-reduce, or why there is none."""
     region = site.region
-    total, shared, tail = _split_shared(region.x)
-    consumer, cast = tail[0] if tail else region.all_reduce, None
+    total, shared, tail, reader = _split_shared(region.x)
+    consumer, cast = reader or region.all_reduce, None
     if total.target is CAST and isinstance(total.args[0], torch.fx.Node):  # fp32 combine, rounded once
         if not _only_user(total, consumer):
             return "the combined value is read elsewhere too"
