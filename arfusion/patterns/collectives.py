@@ -27,11 +27,10 @@ from typing import Any
 import torch
 
 from ..graph_utils import ALL_REDUCE, WAIT
-from .region import same_shape, value
+from .region import CONVERT, is_add, same_shape, value, widened_sum
 from .rewrite import Builder
 
 aten = torch.ops.aten
-CONVERT = torch.ops.prims.convert_element_type.default
 REGROUPINGS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 
 
@@ -98,28 +97,16 @@ def _into_residual_stream(node: torch.fx.Node) -> bool:
     return False
 
 
-def _widened_sum(add: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node] | None:
-    """(the two operands before their upcasts, the cast back) if `add` is
-    `(a.to(wide) + b.to(wide)).to(narrow)` with a and b narrow, each cast read only by the add:
-    HY-V3's `enable_moe_fp32_combine`, `(routed.float() + shared.float()).to(dtype)`."""
-    (back,) = add.users if len(add.users) == 1 else (None,)
-    if back is None or back.target is not CONVERT or any(
-            a.target is not CONVERT or len(a.users) != 1 or not isinstance(a.args[0], torch.fx.Node)
-            or value(a.args[0]).dtype != back.args[1] for a in add.args):
-        return None
-    return [a.args[0] for a in add.args], back
-
-
 def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     """add([f *] AR(a), [f *] AR(b)) on one group -> AR([f *] a + [f *] b); "plain" or "gated"
     (a term had a factor) where merged, else None. The sum of the two upcast and cast back
-    (`_widened_sum`) is taken the same way per rank before the reduction: one rounding to the
-    narrow dtype per rank where the graph rounded after each all-reduce and after the sum."""
-    if add.target is not aten.add.Tensor or add.kwargs or len(add.args) != 2 \
-            or not all(isinstance(a, torch.fx.Node) for a in add.args):
+    (`region.widened_sum`) is taken the same way per rank before the reduction: one rounding to
+    the narrow dtype per rank where the graph rounded after each all-reduce and after the sum."""
+    if not is_add(add):
         return None
-    widened = _widened_sum(add)
-    operands, result = widened if widened else (list(add.args), add)
+    (back,) = add.users if len(add.users) == 1 else (None,)
+    widened = widened_sum(back) if back is not None else None
+    operands, result = (widened[1], back) if widened else (list(add.args), add)
     terms = [_term(a) for a in operands]
     if None in terms or terms[0].all_reduce is terms[1].all_reduce:
         return None

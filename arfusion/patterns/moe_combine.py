@@ -31,12 +31,12 @@ from .. import reference
 from . import forms
 from .classify import Site
 from .probe import ProbeError, evaluate
-from .region import hint, hinted_shape, reduce_dims, same_shape, value
+from .region import CONVERT as CAST
+from .region import hint, hinted_shape, is_add, reduce_dims, same_shape, value, widened_sum
 
-aten, prims = torch.ops.aten, torch.ops.prims
+aten = torch.ops.aten
 VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 INDEX_DTYPES = (torch.int64, torch.int32)
-CAST = prims.convert_element_type.default
 
 
 @dataclass(frozen=True)
@@ -87,18 +87,13 @@ def _addends(x: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]
     """([a, b], the node reading each, the add's own nodes in graph order) for `x = a + b`, or for
     `x = (a.to(wide) + b.to(wide)).to(narrow)` with a, b narrow (HY-V3's fp32 sum of routed and
     shared: the same bits as the narrow add, which computes in fp32 and rounds once)."""
-    def plain_add(node):
-        return node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2 \
-            and all(isinstance(a, torch.fx.Node) for a in node.args)
-
-    if plain_add(x):
+    if is_add(x):
         return list(x.args), [x, x], (x,)
-    add = x.args[0] if x.target is CAST and isinstance(x.args[0], torch.fx.Node) else None
-    if add is None or not plain_add(add) or not _only_user(add, x) or any(
-            a.target is not CAST or not _only_user(a, add) or not isinstance(a.args[0], torch.fx.Node)
-            or value(a.args[0]).dtype != value(x).dtype for a in add.args):
+    found = widened_sum(x)
+    if found is None:
         return None
-    return [a.args[0] for a in add.args], list(add.args), (*add.args, add, x)
+    add, addends = found
+    return addends, list(add.args), (*add.args, add, x)
 
 
 def _split_shared(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, tuple[torch.fx.Node, ...],

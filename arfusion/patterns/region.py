@@ -31,6 +31,7 @@ REDUCTIONS = {
     aten.linalg_vector_norm.default: 2, aten.prod.dim_int: 1,
 }
 # Shape ops whose size argument (position 1) is re-derived for the probe's row count.
+CONVERT = torch.ops.prims.convert_element_type.default
 SIZED_SHAPE_OPS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.expand.default}
 # Constants (no tensor input): the graph's `full_like(x, 7)` is a `full([T, H], 7)` by now.
 CONSTANT_PRODUCERS = {aten.full.default, aten.scalar_tensor.default}
@@ -55,6 +56,24 @@ def same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     """Whether two nodes' values have the same shape (symbolic sizes: provably equal)."""
     have, want = value(a).shape, value(b).shape
     return len(have) == len(want) and all(statically_known_true(i == j) for i, j in zip(have, want))
+
+
+def is_add(node: torch.fx.Node) -> bool:
+    """`a + b` of two graph values (no alpha)."""
+    return node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2 \
+        and all(isinstance(a, torch.fx.Node) for a in node.args)
+
+
+def widened_sum(back: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """(the add, [a, b]) if `back` is `(a.to(wide) + b.to(wide)).to(narrow)` with a and b narrow,
+    the add read only by `back` and each upcast only by the add: HY-V3's
+    `enable_moe_fp32_combine`, `(routed.float() + shared.float()).to(dtype)`."""
+    add = back.args[0] if back.target is CONVERT else None
+    if not isinstance(add, torch.fx.Node) or not is_add(add) or list(add.users) != [back] or any(
+            a.target is not CONVERT or len(a.users) != 1 or not isinstance(a.args[0], torch.fx.Node)
+            or value(a.args[0]).dtype != back.args[1] for a in add.args):
+        return None
+    return add, [a.args[0] for a in add.args]
 
 
 def hint(size) -> int:
