@@ -85,7 +85,8 @@ class GroupedExperts(nn.Module):
             dist.all_reduce(shared)
             if self.shared == "gated":
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
-            out = (out.float() + shared.float()).to(out.dtype) if self.widen_sum else out + shared
+            wide = torch.float32 if self.widen_sum is True else self.widen_sum
+            out = (out.to(wide) + shared.to(wide)).to(out.dtype) if self.widen_sum else out + shared
         h = residual + out
         return (NORMS["hf_llama"][0](h, self.weight, 1e-6), h, *extra)
 
@@ -164,6 +165,15 @@ def test_routed_scaling_factor(fake_pg, routed_scale, combine_fused):
     assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
     assert seen == {"moe": int(combine_fused), "plain": int(not combine_fused), "left": 0}, seen
     assert stats["moe_combines_fused"] == int(combine_fused)
+
+
+def test_a_shared_term_summed_in_float64_keeps_the_combine_out(fake_pg):
+    """(combine.double() + shared.double()).to(bf16) rounds differently from the op's bf16 add
+    (which computes in fp32): the all-reduces merge, the site fuses, the combine stays Inductor's."""
+    torch.manual_seed(0)
+    _, _, stats, seen = compile_run(GroupedExperts(shared="plain", widen_sum=torch.float64), _inputs())
+    assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
+    assert seen == {"moe": 0, "plain": 1, "left": 0} and stats["moe_combines_fused"] == 0, (seen, stats)
 
 
 def test_switched_off(fake_pg):

@@ -90,7 +90,9 @@ def _addends(x: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]
     if is_add(x):
         return list(x.args), [x, x], (x,)
     found = widened_sum(x)
-    if found is None:
+    # The op adds the shared term in the narrow dtype, which computes in fp32 and rounds once:
+    # the same bits only where the graph's wide dtype is fp32.
+    if found is None or value(found[0]).dtype != torch.float32:
         return None
     add, addends = found
     return addends, list(add.args), (*add.args, add, x)
