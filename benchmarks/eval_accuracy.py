@@ -132,8 +132,12 @@ def evaluate(args) -> dict:
     hf_logging.set_verbosity_error()
     cuda = torch.cuda.is_available() and not args.cpu
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
+        import shared_gpu  # NCCL, one GPU per rank; or --shared-gpu: gloo, every rank on GPU 0
+
+        shared_gpu.init(args.shared_gpu)
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     backend = args.backend or ("flashinfer" if cuda else "torch")
@@ -205,6 +209,7 @@ def evaluate(args) -> dict:
                         if math.isfinite(factor) else "") + f"|ppl change vs compiled| <= {100 * ppl_tol:g}%"}
     meta = {"model": args.model, "model_type": c.model_type, "layers": c.num_hidden_layers, "hidden": c.hidden_size,
             "vocab": c.vocab_size, "world": world, "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "shared_gpu": bool(cuda and args.shared_gpu),
             "backend": backend, "quantized_min_mb": args.quantized_min_mb, "seq_len": args.seq_len, "windows": int(data.shape[0]), "batch": args.batch,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "python": sys.version.split()[0], "seconds": round(time.time() - t_start, 1),
@@ -266,6 +271,9 @@ def main(argv=None):
     p.add_argument("--abs-slack", type=float, default=0.0,
                    help="absolute slack on the logits bar (tiny models: their fp32 error is tiny too)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even where CUDA exists")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="a one-GPU machine: every rank on GPU 0 over gloo (tests/gpu/shared_gpu.py); FlashInfer's "
+                        "exact kernels run (the quantized all-reduce needs one GPU per rank)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)

@@ -34,7 +34,6 @@ off by default.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import logging
 import os
@@ -51,6 +50,8 @@ from arfusion import reference
 from arfusion.backends import flashinfer_dispatch as dispatch
 from arfusion.backends import get_backend
 from arfusion.backends.base import Site
+
+import shared_gpu  # tests/gpu/shared_gpu.py (the script's own directory is on sys.path)
 
 K = 8
 TOKENS = (1, 8, 32, 64)
@@ -170,20 +171,6 @@ def progress(rank, what):
     print(f"{time.strftime('%H:%M:%S')} rank {rank}: {what}", flush=True)
 
 
-def lift_shared_gpu_guard():
-    """--shared-gpu only: give each rank its own device id in the facts the FlashInfer backend
-    gathers, so its "two ranks share one GPU" verdict does not decline the group."""
-    from arfusion.backends import flashinfer as fi
-
-    real = fi._rank_facts
-
-    def per_rank(index):
-        host, uuid, *rest = real(index)
-        return [host, uuid + 1 + dist.get_rank(), *rest]
-
-    fi._rank_facts = per_rank
-
-
 def rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
@@ -223,21 +210,14 @@ def main():
     p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0, gloo, correctness only")
     args = p.parse_args()
     os.environ[dispatch.MOE_FINALIZE_OPT_IN_ENV] = "1"  # the kernel under test is off by default (its hazard)
-    local = 0 if args.shared_gpu else int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
     if args.shared_gpu:
-        # A hang (ranks waiting on each other's kernel) shows where it sits, then the run ends.
-        faulthandler.dump_traceback_later(float(os.environ.get("CHECK_HANG_S", 200)), exit=True)
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
         logging.getLogger("arfusion").setLevel(logging.INFO)
-        dist.init_process_group("gloo")
-        lift_shared_gpu_guard()
-    else:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    # Shared GPU: a hang (ranks waiting on each other's kernel) shows where it sits, then the run ends.
+    device = shared_gpu.init(args.shared_gpu, hang_s=float(os.environ.get("CHECK_HANG_S", 200)))
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     group_name = group.group_name
-    device = torch.device("cuda", local)
     backend = get_backend("flashinfer")
     assert not isinstance(backend, str), backend
     kernel_calls = [0]

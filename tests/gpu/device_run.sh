@@ -122,6 +122,25 @@ for s in "$@"; do
       --tag loop_on_first --out "$OUT" ;;
     first2) stage first2 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[2]" ;;
     first4) stage first4 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[4]" ;;
+    # Where only one GPU is lent (tests/gpu/shared_gpu.py: both ranks on GPU 0, gloo, what is computed,
+    # not speed): issue 15's awkward inputs and soak through FlashInfer, two such jobs at once on the
+    # one GPU (each its own IPC workspace), and issue 14's trained model with FlashInfer's exact kernels.
+    bad1shared) stage bad1shared "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_bad_inputs.py --shared-gpu \
+      --out "$OUT/bad_inputs_shared_gpu" ;;
+    soak1shared) SOAK_HANG_S=$(( ${LIMIT:-300} - 15 )) stage soak1shared "${LIMIT:-300}" $TORCHRUN 2 \
+      tests/gpu/soak.py --shared-gpu --calls ${SOAK_CALLS:-2000} --out "$OUT/soak_shared_gpu" ;;
+    jobs1shared)  # two independent 2-rank jobs on the one GPU at the same time
+      for j in a b; do
+        SOAK_HANG_S=$(( ${LIMIT:-240} - 15 )) stage "jobs1shared-$j" "${LIMIT:-240}" $TORCHRUN 2 --master-port \
+          $([ $j = a ] && echo 29611 || echo 29612) tests/gpu/soak.py --shared-gpu --calls ${JOB_CALLS:-300} \
+          --seed $([ $j = a ] && echo 1 || echo 2) --out "$OUT/soak_two_jobs_$j" > "$OUT/jobs1shared_$j.log" 2>&1 &
+      done
+      wait; tail -n 12 "$OUT"/jobs1shared_a.log "$OUT"/jobs1shared_b.log ;;
+    acc1shared)  # after trainacc1 (or train1) wrote /tmp/ckpt-acc
+      stage acc1shared "${LIMIT:-300}" $TORCHRUN 2 benchmarks/eval_accuracy.py --model /tmp/ckpt-acc --shared-gpu \
+        --seqs ${SEQS:-32} --out "$OUT/acc_shared_gpu" --configs eager compiled arfusion_exact ;;
+    train1) stage train1 "${LIMIT:-200}" python benchmarks/train_tiny_llama.py --out /tmp/ckpt-acc --steps ${STEPS:-800}
+      cp /tmp/ckpt-acc/train_meta.json "$OUT/accuracy_gpu_train_meta.json" 2>/dev/null ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/gpu/soak.py --calls 10000 --out DIR      # GPUs (NCCL)
     torchrun --nproc-per-node 2 tests/gpu/soak.py --device cpu --calls 50 --out DIR   # CPU (gloo)
+    torchrun --nproc-per-node 2 tests/gpu/soak.py --shared-gpu --calls 2000 --out DIR  # one GPU, 2 ranks
 
 Block: twice (row-parallel matmul -> all_reduce -> residual add -> HF Llama RMSNorm), compiled
 with arfusion (backend "flashinfer" on CUDA when importable, else "torch"; never "auto" or
@@ -15,6 +16,12 @@ DIR/soak.md; exits non-zero on any mismatch (on any rank).
 reduce-overhead records one CUDA graph per distinct token count, so that mode draws from
 `--distinct` sizes (default 48, always including 1, the cap's neighbours and the maximum);
 dynamic=True draws every size from the whole range.
+
+--shared-gpu (a one-GPU machine; tests/gpu/shared_gpu.py): both ranks on GPU 0 over gloo, FlashInfer
+with the "ranks share a GPU" guard lifted: checks what is computed, not speed. gloo cannot run
+inside a CUDA graph, so reduce-overhead draws only sizes the fused kernel takes (<= the cap; the
+run-time fallback above it is exercised by dynamic=True), and the cap defaults to 2 MiB so that
+the eager reference's gloo all-reduces stay cheap.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+
+import shared_gpu  # tests/gpu/shared_gpu.py (the script's own directory is on sys.path)
 
 # The GPU checks' tolerance (tests/gpu/check_flashinfer.py): relative L2 error and max abs error
 # over max |eager|, for bf16 outputs (the FlashInfer kernel rounds once where HF rounds twice).
@@ -89,11 +98,12 @@ def token_schedule(args, cap_tokens: int | None, dynamic: bool) -> list[int]:
     rng = random.Random(args.seed + (1 if dynamic else 0))  # same on every rank
     if dynamic or not args.distinct:
         return [rng.randint(1, args.max_tokens) for _ in range(args.calls)]
-    pool = {1, args.max_tokens}
+    top = min(args.max_tokens, cap_tokens) if args.shared_gpu and cap_tokens else args.max_tokens
+    pool = {1, top}
     if cap_tokens:
-        pool |= {t for t in (cap_tokens - 1, cap_tokens, cap_tokens + 1) if 1 <= t <= args.max_tokens}
-    while len(pool) < min(args.distinct, args.max_tokens):
-        pool.add(rng.randint(1, args.max_tokens))
+        pool |= {t for t in (cap_tokens - 1, cap_tokens, cap_tokens + 1) if 1 <= t <= top}
+    while len(pool) < min(args.distinct, top):
+        pool.add(rng.randint(1, top))
     pool = sorted(pool)
     return [rng.choice(pool) for _ in range(args.calls)]
 
@@ -167,7 +177,8 @@ def markdown(report) -> str:
         return "n/a" if not m or not m.get(key) else f"{m[key]['allocated'] / 2**20:.0f} / {m[key]['reserved'] / 2**20:.0f}"
 
     lines = [f"# Soak: {report['device']}, world {report['world_size']}, backend {report['backend']}, "
-             f"hidden {report['hidden']}, {report['dtype']}", "",
+             f"hidden {report['hidden']}, {report['dtype']}"
+             + (" (both ranks on one GPU, gloo)" if report.get("shared_gpu") else ""), "",
              "| mode | calls | tokens | above cap | mismatches (all ranks) | max rel L2 | max rel abs | "
              "dispatch | fused / unfused sites | MiB alloc / reserved: start, warm, end | s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -188,6 +199,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=10000, help="calls per mode")
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0, gloo (see above)")
     parser.add_argument("--hidden", type=int, help="default 4096 (cuda), 256 (cpu)")
     parser.add_argument("--max-tokens", type=int, help="default 6144 (cuda: above the 32 MiB TP=2 cap), 1024 (cpu)")
     parser.add_argument("--cap-mb", type=float, help="PassConfig.max_size_mb for this world size; default: the "
@@ -202,10 +214,10 @@ def main() -> int:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        device = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group("nccl", device_id=device)
+        device = shared_gpu.init(args.shared_gpu, hang_s=float(os.environ.get("SOAK_HANG_S", 570)))
         backend = "flashinfer" if importlib.util.find_spec("flashinfer") else "torch"
+        if args.shared_gpu and args.cap_mb is None:
+            args.cap_mb = 2.0
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
@@ -214,7 +226,7 @@ def main() -> int:
         if args.cap_mb is None:
             args.cap_mb = 0.25
     args.hidden = args.hidden or (4096 if use_cuda else 256)
-    args.max_tokens = args.max_tokens or (6144 if use_cuda else 1024)
+    args.max_tokens = args.max_tokens or (768 if args.shared_gpu else 6144 if use_cuda else 1024)
     args.dtype = torch.bfloat16
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 4096
@@ -244,6 +256,7 @@ def main() -> int:
              for name in args.modes.split(",") if name]
     reduce_over_ranks(modes, device)
     report = {"device": torch.cuda.get_device_name(device) if use_cuda else "cpu", "world_size": world,
+              "shared_gpu": args.shared_gpu,
               "backend": backend, "hidden": args.hidden, "dtype": str(args.dtype), "cap_tokens": cap_tokens,
               "tolerance": {"rel_l2": REL_L2_TOL, "max_rel": MAX_TOL}, "seed": args.seed,
               "command": " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv]), "modes": modes}
