@@ -203,23 +203,29 @@ def fused_allreduce_rmsnorm(
                 weight_dtype=weight.dtype, world_size=group_size(group_name), device=x.device,
                 group_name=group_name)
     chosen, reason = resolve(backend, x.device)
+    outs = None
     if chosen is not None and quantized:
         outs = quantized_or_none(chosen, call, x, residual, weight, eps, quant_scale, quantized,
                                  quantized_min_bytes)
-        if outs is not None:
-            return outs
-    if chosen is not None:
-        override = None if max_bytes < 0 else max_bytes
-        reason = chosen.why_not(call, override) or chosen.prepare(call, override)
-    if reason is None:
-        stats.record_dispatch(chosen.name)
-        outs = chosen.run(call, x, residual, weight, eps, quant_scale)
-    else:
-        stats.record_dispatch("fallback")
-        log_once(f"arfusion: {site.name} ran unfused at run time: {reason}")
-        outs = unfused(x, residual, weight, eps, group_name, site, quant_scale)
-    lead = x.shape[:-1]
-    return [o.reshape(*lead, o.shape[-1]) if o.dim() else o for o in outs]
+    if outs is None:
+        if chosen is not None:
+            override = None if max_bytes < 0 else max_bytes
+            reason = chosen.why_not(call, override) or chosen.prepare(call, override)
+        if reason is None:
+            stats.record_dispatch(chosen.name)
+            outs = chosen.run(call, x, residual, weight, eps, quant_scale)
+        else:
+            stats.record_dispatch("fallback")
+            log_once(f"arfusion: {site.name} ran unfused at run time: {reason}")
+            outs = unfused(x, residual, weight, eps, group_name, site, quant_scale)
+    return dense_outputs(outs, x.shape[:-1])
+
+
+def dense_outputs(outs: list[torch.Tensor], lead) -> list[torch.Tensor]:
+    """The op's outputs as its fake says: [*lead, last dim], contiguous. Kernels write dense
+    [T, H] buffers while the reference math follows its inputs' layout (a transposed residual
+    gives a transposed sum), and a compiled graph checks real strides against the fake's."""
+    return [o.reshape(*lead, o.shape[-1]).contiguous() if o.dim() else o for o in outs]
 
 
 # Output layouts by input layout, for static shapes: the pattern matcher traces the op once per
@@ -248,7 +254,8 @@ def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_s
     if key is not None and (key, site) in _fake_layouts:
         return [torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
                 for shape, stride, dtype in _fake_layouts[key, site]]
-    outs = reference.add_rms_norm(torch.empty_like(x), residual, weight, eps, site, quant_scale)
+    outs = dense_outputs(reference.add_rms_norm(torch.empty_like(x), residual, weight, eps, site, quant_scale),
+                         x.shape[:-1])
     if key is not None:
         _fake_layouts[key, site] = [(tuple(o.shape), o.stride(), o.dtype) for o in outs]
     return outs
@@ -309,7 +316,7 @@ def moe_combine_allreduce_rmsnorm(
             outs = chosen.run_moe_combine(call, rows, scale, index, top_k, scale_first,
                                           None if residual is None else residual.reshape(tokens, hidden),
                                           kernel_weight, eps, quant_scale, shared)
-            return [o.reshape(tokens, o.shape[-1]) if o.dim() else o for o in outs]
+            return dense_outputs(outs, (tokens,))
     log_once(f"arfusion: MoE combine of {site.name} ran in torch at run time, then the fused site: {reason}")
     combine = (compiled(reference.moe_combine) if compiles_fallback(rows.device) else reference.moe_combine)
     combined = combine(rows, scale, index, top_k, scale_first, shared)

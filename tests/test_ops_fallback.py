@@ -91,3 +91,32 @@ def test_a_failing_compile_falls_back_to_eager(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: boom)
     fast = ops.compiled(_double)
     assert torch.equal(fast(torch.ones(2)), torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("backend", ["torch", "flashinfer"])  # flashinfer: declined on CPU, the fallback runs
+@pytest.mark.parametrize("quant", ["none", "fp8_dynamic"])
+def test_outputs_are_dense_whatever_the_input_layout(world_of_one, backend, quant):
+    """Kernels write dense [T, H] buffers, so the op's fake must promise dense outputs and every
+    path must deliver them. Found on a GPU (tests/gpu/check_bad_inputs.py, FlashInfer): an
+    all-reduce input that is every other column of a wider buffer and a transposed residual made
+    the fake say "transposed" (the reference math follows the residual's layout) while FlashInfer
+    returned a dense sum, and the compiled graph's stride check raised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    wide, tall = torch.randn(5, 512, dtype=torch.bfloat16), torch.randn(256, 5, dtype=torch.bfloat16)
+    x, res, w = wide[:, ::2], tall.t(), (1 + 0.1 * torch.randn(256)).to(torch.bfloat16)
+
+    def call(x, res, w):
+        return torch.ops.arfusion.fused_allreduce_rmsnorm(
+            x, res, w, 1e-6, None, world_of_one, "rms", quant, None, True, backend, -1)
+
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = call(mode.from_tensor(x), mode.from_tensor(res), mode.from_tensor(w))
+    real = call(x, res, w)
+    for f, r in zip(fake, real):
+        assert f.is_contiguous() and r.is_contiguous(), (f.stride(), r.stride())
+        assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
+    want = reference.unfused(x, res, w, 1e-6, world_of_one, Site(residual=True, norm="rms", quant=quant,
+                                                                    emit_norm=True))
+    assert torch.equal(real[0], want[0]) and torch.equal(real[1].float(), want[1].float())
