@@ -36,6 +36,7 @@ change| <= 1% (lossy: no logits bar). `--configs` selects which run.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import json
@@ -167,6 +168,7 @@ def evaluate(args) -> dict:
             options = dict(arfusion.inductor_options(config)) if config else None
             runners[cfg.name] = torch.compile(model, options=options)
         fused[cfg.name] = quantized_calls[cfg.name] = 0
+    dispatched = {cfg.name: collections.Counter() for cfg in configs}  # fused-op calls by backend / "fallback"
     acc = {cfg.name: Accumulator() for cfg in configs}
     ref_acc = Accumulator()
     with torch.no_grad():
@@ -177,10 +179,11 @@ def evaluate(args) -> dict:
             ref = ref_model(input_ids=ids).logits.float()
             ref_acc.add(ref, ref, ids)
             for cfg in configs:
-                before = arfusion.stats()["fused_sites"], _quantized_calls()
+                before = arfusion.stats()["fused_sites"], _quantized_calls(), dict(arfusion.stats()["dispatch"])
                 logits = runners[cfg.name](input_ids=ids).logits
                 fused[cfg.name] += arfusion.stats()["fused_sites"] - before[0]
                 quantized_calls[cfg.name] += _quantized_calls() - before[1]
+                dispatched[cfg.name].update(collections.Counter(arfusion.stats()["dispatch"]) - collections.Counter(before[2]))
                 acc[cfg.name].add(logits, ref, ids)
             say(f"window {start + ids.shape[0]}/{data.shape[0]} ({time.time() - t_start:.0f} s)")
 
@@ -190,6 +193,7 @@ def evaluate(args) -> dict:
         if cfg.arfusion:
             rows[cfg.name]["fused_sites"] = fused[cfg.name]
             rows[cfg.name]["quantized_calls"] = quantized_calls[cfg.name]
+            rows[cfg.name]["dispatch"] = dict(dispatched[cfg.name])
     for name, r in rows.items():
         r["ppl_rel_vs_fp32"] = r["perplexity"] / rows["fp32"]["perplexity"] - 1
         if "compiled" in rows:

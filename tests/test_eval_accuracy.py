@@ -47,6 +47,8 @@ def test_every_configuration_reported(run):
         for key in ("ppl_rel_vs_fp32", "ppl_rel_vs_compiled", "logits_rel_err_max", "top1_agreement"):
             assert math.isfinite(r[key]), (name, key)
     assert rows["arfusion_exact"]["fused_sites"] == 2 * run["eval"]["meta"]["layers"] + 1
+    # every fused-op call ran the torch backend (none fell back), and the row says so
+    assert set(rows["arfusion_exact"]["dispatch"]) == {"torch"} and rows["arfusion_exact"]["dispatch"]["torch"] > 0
     assert "| arfusion_exact |" in run["md"] and "| arfusion_exact |" in run["stdout"]
 
 

@@ -33,6 +33,28 @@ def lift_shared_gpu_guard() -> None:
     fi._rank_facts = per_rank
 
 
+_host_gather_library = None
+
+
+def route_all_gather_through_host(dispatch_key: str = "CUDA") -> None:
+    """gloo's all_gather_into_tensor on CUDA tensors segfaults (torch 2.11, seen in DTensor's
+    Shard -> Replicate of a TP lm_head's output): run the functional all-gather on host copies.
+    Test scripts only; gloo's all-reduce of CUDA tensors works and is left alone."""
+    global _host_gather_library
+    if _host_gather_library is not None:
+        return
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    def gather(inp, group_size, group_name):
+        host = inp.detach().to("cpu").contiguous()
+        out = host.new_empty((host.shape[0] * group_size, *host.shape[1:]))
+        dist.all_gather_into_tensor(out, host, group=_resolve_process_group(group_name))
+        return out.to(inp.device)
+
+    _host_gather_library = torch.library.Library("_c10d_functional", "IMPL")
+    _host_gather_library.impl("all_gather_into_tensor", gather, dispatch_key)
+
+
 def init(shared: bool, hang_s: float | None = None) -> torch.device:
     """Initialise the default group and return this rank's device.
 
@@ -47,6 +69,7 @@ def init(shared: bool, hang_s: float | None = None) -> torch.device:
             faulthandler.dump_traceback_later(hang_s, exit=True)
         dist.init_process_group("gloo")
         lift_shared_gpu_guard()
+        route_all_gather_through_host()
         return torch.device("cuda", 0)
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)

@@ -145,6 +145,8 @@ def run_mode(name, args, model, device, backend, cap_tokens, world) -> dict:
                     worst.append({"call": i, "tokens": tokens, "rel_l2": rel, "max_rel": mx})
             if i + 1 == args.warmup:
                 mem["after_warmup"] = memory(device)
+            if i + 1 == len(schedule) // 2:  # graphs compiled and captured by now: later growth would be a leak
+                mem["half"] = memory(device)
             if rank == 0 and args.progress and (i + 1) % args.progress == 0:
                 print(f"soak {name}: {i + 1}/{len(schedule)} calls, {mismatches} mismatches, "
                       f"max rel {max_rel:.2e}", flush=True)
@@ -180,7 +182,7 @@ def markdown(report) -> str:
              f"hidden {report['hidden']}, {report['dtype']}"
              + (" (both ranks on one GPU, gloo)" if report.get("shared_gpu") else ""), "",
              "| mode | calls | tokens | above cap | mismatches (all ranks) | max rel L2 | max rel abs | "
-             "dispatch | fused / unfused sites | MiB alloc / reserved: start, warm, end | s |",
+             "dispatch | fused / unfused sites | MiB alloc / reserved: start, warm, half, end | s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in report["modes"]:
         mem = m["memory"]
@@ -188,7 +190,7 @@ def markdown(report) -> str:
             f"| {m['mode']} | {m['calls']} | {m['tokens_min']}..{m['tokens_max']} ({m['distinct_tokens']} sizes) | "
             f"{m['above_cap']} | {m['mismatches_all_ranks']} | {m['max_rel_l2']:.2e} | {m['max_rel_abs']:.2e} | "
             f"{m['stats']['dispatch']} | {m['stats']['fused_sites']} / {m['stats']['unfused_sites']} | "
-            f"{mib(mem, 'start')}, {mib(mem, 'after_warmup')}, {mib(mem, 'end')} | {m['seconds']} |")
+            f"{mib(mem, 'start')}, {mib(mem, 'after_warmup')}, {mib(mem, 'half')}, {mib(mem, 'end')} | {m['seconds']} |")
     lines += ["", f"Tolerance: rel L2 <= {REL_L2_TOL}, max abs / max |eager| <= {MAX_TOL} (bf16); "
               f"command: `{report['command']}`", ""]
     return "\n".join(lines)
