@@ -101,6 +101,7 @@ class ArFusionPass(CustomGraphPass):
         stable_topological_sort(graph)
         graph.eliminate_dead_code()
         left = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
+        merged = {**merged, "scaled_all_reduces_fused": patterns.scaled_sites(graph)}
         stats.record_graph(unfused=left + moved, on_callers_stream=moved, why_not=why_not, collectives=merged)
         log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s", sum(fused.values()),
                  dict(fused) or "", left + moved, f"; {moved} of them run on the caller's stream" if moved else "")
@@ -119,11 +120,21 @@ class ArFusionPass(CustomGraphPass):
             # of 0 cannot give (it raised ZeroDivisionError), and there is nothing to fuse.
             return "none", "zero tokens (an empty batch): nothing to fuse"
         order = {n: i for i, n in enumerate(graph.nodes)}
-        site = patterns.find_site(patterns.grow(start, order), self.config.fused_quant_forms())
+        scaled = patterns.scaled_all_reduce(start)
+        if scaled is not None:  # f * AR(x): first as a site of the product, the op taking f
+            outcome = self._fuse_region(graph, patterns.grow(start, order, scaled), all_reduce, site_key)
+            if outcome[0] == "fused":
+                return outcome
+        return self._fuse_region(graph, patterns.grow(start, order), all_reduce, site_key)
+
+    def _fuse_region(self, graph: torch.fx.Graph, region, all_reduce: torch.fx.Node,
+                     site_key: str) -> tuple[str, str]:
+        site = patterns.find_site(region, self.config.fused_quant_forms())
         if isinstance(site, str):
             return "none", site
         reason = ""
-        combine = self._moe_combine(site, all_reduce)
+        # The MoE op has no input scale: a scaled combine is left to Inductor.
+        combine = self._moe_combine(site, all_reduce) if region.input_scale == 1.0 else None
         for variant in (site, site.without_quant()) if site.quant != "none" else (site,):
             quantized = self._quantized(variant)
             reason = self._backend_refuses(variant, quantized=quantized)
@@ -141,6 +152,9 @@ class ArFusionPass(CustomGraphPass):
             if patterns.rewrite(graph, variant, self.config.backend, -1 if cap is None else cap, site_key,
                                 combine=take, quantized=quantized):
                 stats.record_site(site_key, name)
+                if region.input_scale != 1.0:
+                    log.info("arfusion: %s: scaled by %g before the residual add; the factor goes into the "
+                             "fused op", all_reduce.name, region.input_scale)
                 if take is not None:
                     stats.record_moe_combine(site_key)
                     log.info("arfusion: %s: MoE top-k combine (K=%d) fused into the site's op", all_reduce.name,
@@ -184,7 +198,8 @@ class ArFusionPass(CustomGraphPass):
         group_name = site.region.group_name
         call = Call(site=patterns.op_site(site), tokens=tokens if isinstance(tokens, int) else None,
                     hidden=int(normed.shape[-1]), dtype=normed.dtype, weight_dtype=weight.dtype,
-                    world_size=group_size(group_name), device=normed.device, group_name=group_name)
+                    world_size=group_size(group_name), device=normed.device, group_name=group_name,
+                    input_scaled=site.region.input_scale != 1.0)
         backend, reason = backends.resolve(self.config.backend, normed.device)
         return call, backend, reason
 

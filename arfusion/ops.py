@@ -80,19 +80,20 @@ def compiles_fallback(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def unfused(x, residual, weight, eps, group_name, site, quant_scale):
-    """The unfused result. On a GPU: NCCL all-reduce + one compiled add+RMSNorm(+quant) kernel,
-    since the eager reference is 1.6-2.3x slower there. Elsewhere the eager reference."""
+def unfused(x, residual, weight, eps, group_name, site, quant_scale, input_scale=1.0):
+    """The unfused result, all_reduce(x) * input_scale [+ residual] -> norm. On a GPU: NCCL
+    all-reduce + one compiled (scale+)add+RMSNorm(+quant) kernel, since the eager reference is
+    1.6-2.3x slower there. Elsewhere the eager reference."""
     if not compiles_fallback(x.device):
-        return reference.unfused(x, residual, weight, eps, group_name, site, quant_scale)
+        return reference.unfused(x, residual, weight, eps, group_name, site, quant_scale, input_scale)
     reduced = all_reduce_on_current_stream(x, group_name)
-    return after_all_reduce(reduced, residual, weight, eps, site, quant_scale)
+    return after_all_reduce(reduced, residual, weight, eps, site, quant_scale, input_scale)
 
 
-def after_all_reduce(reduced, residual, weight, eps, site, quant_scale):
-    """[+ residual] -> RMSNorm [-> quant] of an all-reduced tensor: compiled on GPUs."""
+def after_all_reduce(reduced, residual, weight, eps, site, quant_scale, reduced_scale=1.0):
+    """[* reduced_scale] [+ residual] -> RMSNorm [-> quant] of an all-reduced tensor: compiled on GPUs."""
     norm = compiled(reference.add_rms_norm) if compiles_fallback(reduced.device) else reference.add_rms_norm
-    return norm(reduced, residual, weight, eps, site, quant_scale)
+    return norm(reduced, residual, weight, eps, site, quant_scale, reduced_scale)
 
 
 def quantized_or_none(backend, call: Call, x, residual, weight, eps, quant_scale, level: str,
@@ -182,15 +183,18 @@ def fused_allreduce_rmsnorm(
     site_key: str = "",
     quantized: str = "",
     quantized_min_bytes: int = -1,
+    input_scale: float = 1.0,
 ) -> list[torch.Tensor]:
-    """all_reduce(x) [+ residual] -> RMSNorm [-> quant]; outputs in `Site.outputs()` order.
+    """all_reduce(x) [* input_scale] [+ residual] -> RMSNorm [-> quant]; outputs in `Site.outputs()` order.
 
     eps_tensor, when given, replaces eps (graphs compiled with dynamic=True carry eps as a
     0-d tensor). weight None: a norm without weight. max_bytes < 0 means "use the backend's own
     size table". site_key names the site in its compiled graph: `stats()` counts the sites a
     graph holds even when it came from the FX graph cache and the pass never ran. quantized
     names a quantized all-reduce level ("" = exact), used from quantized_min_bytes per rank
-    (< 0: the backend's crossover) where the backend has it (`quantized_or_none`).
+    (< 0: the backend's crossover) where the backend has it (`quantized_or_none`). input_scale
+    (Granite's multiplier, f * AR(x) in the graph) multiplies x before a kernel runs, the
+    all-reduced value on the unfused path, so that path pays no extra pass over the tensor.
     """
     site = site_of(residual, norm, quant, emit_norm)
     if site_key:
@@ -201,24 +205,28 @@ def fused_allreduce_rmsnorm(
         weight = unit_weight(x.device, x.dtype, x.shape[-1])
     call = Call(site=site, tokens=num_tokens(x.shape), hidden=x.shape[-1], dtype=x.dtype,
                 weight_dtype=weight.dtype, world_size=group_size(group_name), device=x.device,
-                group_name=group_name)
+                group_name=group_name, input_scaled=input_scale != 1.0)
     chosen, reason = resolve(backend, x.device)
     outs = None
     if chosen is not None and quantized:
-        outs = quantized_or_none(chosen, call, x, residual, weight, eps, quant_scale, quantized,
-                                 quantized_min_bytes)
+        outs = quantized_or_none(chosen, call, _scaled(x, input_scale), residual, weight, eps, quant_scale,
+                                 quantized, quantized_min_bytes)
     if outs is None:
         if chosen is not None:
             override = None if max_bytes < 0 else max_bytes
             reason = chosen.why_not(call, override) or chosen.prepare(call, override)
         if reason is None:
             stats.record_dispatch(chosen.name)
-            outs = chosen.run(call, x, residual, weight, eps, quant_scale)
+            outs = chosen.run(call, _scaled(x, input_scale), residual, weight, eps, quant_scale)
         else:
             stats.record_dispatch("fallback")
             log_once(f"arfusion: {site.name} ran unfused at run time: {reason}")
-            outs = unfused(x, residual, weight, eps, group_name, site, quant_scale)
+            outs = unfused(x, residual, weight, eps, group_name, site, quant_scale, input_scale)
     return dense_outputs(outs, x.shape[:-1])
+
+
+def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return x if scale == 1.0 else x * scale
 
 
 def dense_outputs(outs: list[torch.Tensor], lead) -> list[torch.Tensor]:
@@ -247,7 +255,7 @@ def _layout_key(*tensors) -> tuple | None:
 
 @fused_allreduce_rmsnorm.register_fake
 def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
-          backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1):
+          backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1, input_scale=1.0):
     # The reference math on fake tensors gives exactly the real outputs' metadata.
     site = site_of(residual, norm, quant, emit_norm)
     key = _layout_key(x, residual, weight, quant_scale)

@@ -33,10 +33,14 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float, norm: str
 
 
 def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                 eps: float, site: Site, quant_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Everything after the all-reduce; outputs in `site.outputs()` order."""
+                 eps: float, site: Site, quant_scale: torch.Tensor | None = None,
+                 reduced_scale: float = 1.0) -> list[torch.Tensor]:
+    """Everything after the all-reduce (scaled first by `reduced_scale`, Granite's multiplier);
+    outputs in `site.outputs()` order."""
     from . import quant  # local: quant imports this module
 
+    if reduced_scale != 1.0:
+        reduced = reduced * reduced_scale
     h = reduced if residual is None else residual + reduced
     normed = rms_norm(h, weight, eps, site.norm)
     produced = {"residual": h, "norm": normed}
@@ -46,8 +50,9 @@ def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: t
 
 
 def unfused(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-            group_name: str, site: Site, quant_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
-    return add_rms_norm(all_reduce_sum(x, group_name), residual, weight, eps, site, quant_scale)
+            group_name: str, site: Site, quant_scale: torch.Tensor | None = None,
+            input_scale: float = 1.0) -> list[torch.Tensor]:
+    return add_rms_norm(all_reduce_sum(x, group_name), residual, weight, eps, site, quant_scale, input_scale)
 
 
 def moe_combine(rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, top_k: int,

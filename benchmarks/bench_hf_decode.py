@@ -86,7 +86,7 @@ TINY_MOE = {
                         qk_rope_head_dim=16, v_head_dim=32),
 }
 REWRITE_COUNTS = ("fused_sites", "unfused_sites", "summed_all_reduces_merged", "gated_all_reduces_merged",
-                  "sums_moved_before_all_reduce",
+                  "sums_moved_before_all_reduce", "scaled_all_reduces_fused",
                   "moe_combines_fused")
 PHASES = ("startup", "decode", "accuracy", "prefill", "kernels", "loop", "generate")
 CONFIGS = ("off", "on")

@@ -17,8 +17,9 @@ eager model run, not a compiled graph.
   else with "norm" in its class name is "other" and not hooked.
 
 Input provenance labels: "ar" (all-reduce [views] -> norm), "ar+add" (all-reduce [views] +
-residual -> norm), "ar+ar" (all-reduce + another all-reduce's output -> norm) - the site
-shapes: one all-reduce and at most one add -, and e.g. "ar+ar+add" (two all-reduces summed: routed +
+residual -> norm), "ar+ar" (all-reduce + another all-reduce's output -> norm), "ar*s" / "ar*s+add"
+(the same, scaled by a number first) - the site shapes: one all-reduce and at most one add -, and
+e.g. "ar+ar+add" (two all-reduces summed: routed +
 shared experts), "ar+replicated+add" (an extra non-all-reduced term), "ar*s+add" (scaled before
 the add), "ar+bias+add".
 """
@@ -36,7 +37,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 # One all-reduce [views] and at most one add before the norm. "ar+ar": two all-reduces summed and
 # normed without a residual (a MoE block's own post-norm): the second is an all-reduce + "residual".
-SITE_LABELS = ("ar", "ar+add", "ar+ar")
+# "ar*s", "ar*s+add": the all-reduce scaled by a number first (Granite's multipliers, MiniCPM's depth
+# scale), which arfusion's op takes as its input scale.
+SITE_LABELS = ("ar", "ar+add", "ar+ar", "ar*s", "ar*s+add")
 RMS_KINDS = ("rmsnorm", "rmsnorm(1+w)", "rmsnorm(no weight)")
 LAYERNORM_KINDS = ("layernorm", "layernorm(1+w)")
 

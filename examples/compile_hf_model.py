@@ -31,8 +31,8 @@ def tiny_config(model_type: str, layers: int, hidden: int, tp: int):
     from transformers import AutoConfig
 
     heads = max(4, 2 * tp)
-    # Granite's multipliers default to 1.0, which makes its residual scale an identity (and a
-    # site); its checkpoints scale by 0.22 and 12, which is what makes it a look-alike.
+    # Granite's multipliers default to 1.0, which makes its residual scale an identity; its
+    # checkpoints scale by 0.22 and 12, which the fused op then takes as its input scale.
     extra = {"residual_multiplier": 0.22, "embedding_multiplier": 12.0} if model_type.startswith("granite") else {}
     # head_dim explicitly: several configs (Qwen3, Gemma, Helium, ...) default it independently of hidden.
     return AutoConfig.for_model(

@@ -30,8 +30,8 @@ def run_example(model_type: str, *extra: str) -> dict:
     # Not among the models the patterns were written against: fuses without code changes.
     ("qwen2", 2 * LAYERS + 1),
     # Granite scales the all-reduced output before the residual add (by 0.22, as its checkpoints
-    # do; the example sets it): no site may fuse.
-    ("granite", 0),
+    # do; the example sets it): every site fuses, the op taking the factor.
+    ("granite", 2 * LAYERS + 1),
     # Spellings the first matcher missed: OLMo2 multiplies its weight in fp32 and adds the
     # residual after the norm (post-norm: no site after the embedding's all-reduce); MoE blocks
     # all-reduce [T, H] and view it back to [B, S, H] before the residual add.

@@ -575,6 +575,16 @@ def test_per_group_fp8_has_its_own_cap_at_world_4(backend):
     assert backend.why_not(call(1024, site=group), max_bytes_override=8 * MiB) is None  # user's cap wins
 
 
+@pytest.mark.parametrize("world,last_fused", [(2, 1024), (4, 512)])  # 8 and 4 MiB at hidden 4096
+def test_a_scaled_input_has_its_own_cap(backend, world, last_fused):
+    """f * AR(x) runs one more pass over x where the kernel runs (SCALED_INPUT_MAX_MIB)."""
+    scaled = replace(call(last_fused, world=world), input_scaled=True)
+    assert backend.why_not(scaled) is None
+    assert "scaled-input cap" in backend.why_not(replace(scaled, tokens=last_fused + 1))
+    assert backend.why_not(replace(scaled, tokens=last_fused + 1, input_scaled=False)) is None  # plain table
+    assert backend.why_not(replace(scaled, tokens=4 * last_fused), max_bytes_override=64 * MiB) is None  # user's cap
+
+
 def test_quant_guards(backend):
     group = Site(residual=True, norm="rms", quant="fp8_group")
     assert "group size 128" in backend.why_not(call(8, hidden=4096 + 64, site=group))

@@ -30,10 +30,10 @@ EXPECTED_SITES = {
     "llama": 2 * LAYERS + 1,      # embedding AR -> norm, then AR + residual -> norm per block
     "qwen3_moe": 2 * LAYERS + 1,  # the MoE all-reduce reaches the add through a view
     "olmo2": 2 * LAYERS,          # post-norms: AR -> norm (no residual in between)
-    "granite": 0,                 # residual_multiplier (0.22, as released) scales every all-reduce before the add
+    "granite": 2 * LAYERS + 1,    # residual_multiplier (0.22, as released) scales every all-reduce before the add
 }
 # Every site the counter finds is fused: OLMo2 multiplies the weight in fp32 with one cast,
-# Qwen3-MoE views the all-reduced rows before the add; Granite's scaled sites stay unfused.
+# Qwen3-MoE views the all-reduced rows before the add; Granite's multipliers go into the op.
 EXPECTED_FUSED = EXPECTED_SITES
 
 
@@ -64,8 +64,9 @@ def test_counter_sites(sweep, model_type):
 
 def test_counter_sees_the_lookalikes(sweep):
     rows = sweep["rows"]
-    # Granite: every all-reduce is scaled before the add; reported as another shape, not a site.
-    assert set(rows["granite"]["counter"]["other_shapes"]) == {"ar*s", "ar*s+add"}
+    # Granite: every all-reduce is scaled by a number before the add (sites: the op takes the factor).
+    assert rows["granite"]["counter"]["site_labels"] == {"ar*s": 1, "ar*s+add": 2 * LAYERS}
+    assert rows["granite"]["rewrites"]["scaled_all_reduces_fused"] == 2 * LAYERS + 1
     # OLMo2 (post-norm): the embedding's all-reduce reaches the final norm through the residual chain.
     assert rows["olmo2"]["counter"]["other_shapes"] == {f"ar+add×{2 * LAYERS}": 1}
     assert rows["llama"]["counter"]["site_labels"] == {"ar": 1, "ar+add": 2 * LAYERS}
@@ -196,9 +197,9 @@ def test_counter_labels_each_shape(world_of_one):
         "n.6": ("rmsnorm", "ar*g+add"), "n.7": ("rmsnorm", "ar+add (dtype cast)"), "n.8": ("rmsnorm", "ar+ar"),
         "n.9": ("rmsnorm", "ar+add")}
     s = counter.summary()
-    assert s["sites"] == 4 and s["site_labels"] == {"ar": 1, "ar+add": 2, "ar+ar": 1}
+    assert s["sites"] == 5 and s["site_labels"] == {"ar": 1, "ar+add": 2, "ar+ar": 1, "ar*s+add": 1}
     assert s["all_reduces"] == 13 and s["all_reduces_not_reaching_a_norm"] == {}
-    assert s["other_shapes"] == {"ar+ar+add": 1, "ar*s+add": 1, "ar+replicated+add": 1, "ar*g+add": 1,
+    assert s["other_shapes"] == {"ar+ar+add": 1, "ar+replicated+add": 1, "ar*g+add": 1,
                                  "ar+add (dtype cast)": 1}
     assert s["gated_norm_lookalikes"] == {"ar+add": 1} and s["layernorm_lookalikes"] == {"ar+add": 1}
 

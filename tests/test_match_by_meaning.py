@@ -21,6 +21,8 @@ from torch import nn
 import arfusion
 from arfusion.fusion_pass import ALL_REDUCE, FUSED_OP, ArFusionPass, ChainedPass
 
+from .test_numerics_gloo import assert_close
+
 H = 256
 FP8 = torch.float8_e4m3fn
 FMAX = 448.0
@@ -211,9 +213,35 @@ def test_a_graph_break_between_all_reduce_and_norm_is_named(fake_pg):
     assert stats["fused_sites"] == 0 and any("graph break" in r for r in stats["why_not"]), stats["why_not"]
 
 
-def test_granite_scale_between_all_reduce_and_add_stays_unfused(fake_pg):
-    fused, left, _, _, stats = run(Site(NORMS["hf_llama"][0], residual=lambda r, y: r + y * 0.22))
-    assert fused == [] and left == 1 and any("scaled" in r for r in stats["why_not"])
+# f * AR(y) before the add (Granite's residual multiplier, MiniCPM's depth scale): the site starts at
+# the product and the op takes f (its last argument), scaling y only where its kernel runs.
+SCALED = {"granite": lambda r, y: r + y * 0.22, "factor first": lambda r, y: r + 0.22 * y,
+          "integer": lambda r, y: y * 4 + r, "no residual": lambda r, y: y * 0.22,
+          "through a view": lambda r, y: r + y.view(-1, H).view(r.shape) * 0.22}
+
+
+@pytest.mark.parametrize("spelling", SCALED)
+def test_an_all_reduce_scaled_by_a_number_fuses_with_the_factor_in_the_op(fake_pg, spelling):
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(Site(NORMS["hf_llama"][0], residual=SCALED[spelling]))
+    assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
+    factor = {"integer": 4.0}.get(spelling, 0.22)
+    assert fused[0][-1] == factor and (fused[0][1] is None) == (spelling == "no residual")
+    assert_matches_eager(actual, expected)  # one rank: f * x is f * AR(x), rounded once
+
+
+@pytest.mark.parametrize("spelling, combine", [
+    ("divided", lambda r, y: r + y / 7.0),                    # not handled: stays, with its reason
+    ("0-d tensor", lambda r, y: r + y * torch.tensor(0.22, dtype=y.dtype)),
+    ("per-token tensor", lambda r, y: r + y * torch.sigmoid(r[..., :1])),
+    ("not linear", lambda r, y: r + 0.5 / (y.abs() + 1)),
+])
+def test_other_scalings_of_the_all_reduce_stay_unfused(fake_pg, spelling, combine):
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(Site(NORMS["hf_llama"][0], residual=combine))
+    assert fused == [] and left == 1 and stats["scaled_all_reduces_fused"] == 0, stats
+    for a, e in zip(actual, expected):  # plain Inductor keeps some intermediates in fp32
+        assert_close(a, e, torch.bfloat16, spelling)
 
 
 @pytest.mark.parametrize("beta", [1.0, None])

@@ -186,7 +186,7 @@ def _spellings_by_meaning(rank, dynamic):
     """One model holding sites of many spellings (norms, the MoE view, quants), on real ranks."""
     from torch import nn
 
-    from .test_match_by_meaning import NORMS, QUANTS, Site
+    from .test_match_by_meaning import NORMS, QUANTS, SCALED, Site
 
     # Every spelling once; under dynamic shapes (slower to compile) one of each kind.
     norm_names = list(NORMS) if not dynamic else ["hf_llama", "olmo2_weight_in_fp32", "gemma_one_plus_weight",
@@ -199,7 +199,9 @@ def _spellings_by_meaning(rank, dynamic):
             norms = [Site(NORMS[name][0], residual=res) for name, res in
                      zip(norm_names, ["first", "last", "none", "moe"] * 4)]
             quants = [Site(NORMS["hf_llama"][0], quant=QUANTS[name][0]) for name in quant_names]
-            self.sites = nn.ModuleList(norms + quants)
+            # Granite's multiplier: f * AR(y), f into the op (the ranks scale before the sum)
+            scaled = [Site(NORMS["hf_llama"][0], residual=SCALED[name]) for name in ("granite", "no residual")]
+            self.sites = nn.ModuleList(norms + quants + scaled)
 
         def forward(self, x, residual):
             return [out for site in self.sites for out in site(x, residual)]
@@ -210,6 +212,7 @@ def _spellings_by_meaning(rank, dynamic):
     inputs = (torch.randn(2, 5, 256, dtype=torch.bfloat16), torch.randn(2, 5, 256, dtype=torch.bfloat16))
     actual, expected, stats = compiled_vs_eager(model, inputs, dynamic=dynamic)
     assert stats["fused_sites"] == len(model.sites) and not stats["why_not"], stats
+    assert stats["scaled_all_reduces_fused"] == 2, stats
     for i, (a, e) in enumerate(zip(actual, expected)):
         if a.dtype == torch.float8_e4m3fn:
             from .test_match_by_meaning import assert_fp8_close

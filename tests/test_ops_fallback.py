@@ -120,3 +120,19 @@ def test_outputs_are_dense_whatever_the_input_layout(world_of_one, backend, quan
     want = reference.unfused(x, res, w, 1e-6, world_of_one, Site(residual=True, norm="rms", quant=quant,
                                                                     emit_norm=True))
     assert torch.equal(real[0], want[0]) and torch.equal(real[1].float(), want[1].float())
+
+
+@pytest.mark.parametrize("backend", ["torch", "flashinfer"])  # a backend's run / the declined fallback
+def test_input_scale_is_applied_on_every_path(world_of_one, backend):
+    """f * AR(x) sites (Granite): the op scales x before a backend's kernel, the all-reduced value
+    on the unfused path; one rank, so both are round(f * x)."""
+    import arfusion
+
+    arfusion.reset_stats()
+    x, res, w = inputs()
+    got = torch.ops.arfusion.fused_allreduce_rmsnorm(
+        x, res, w, 1e-6, None, world_of_one, SITE.norm, SITE.quant, None, SITE.emit_norm, backend, -1,
+        "", "", -1, 0.22)
+    want = reference.add_rms_norm(x, res, w, 1e-6, SITE, None, 0.22)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert arfusion.stats()["dispatch"] == ({"torch": 1} if backend == "torch" else {"fallback": 1})

@@ -67,6 +67,7 @@ class Call:
     world_size: int
     device: torch.device
     group_name: str = ""
+    input_scaled: bool = False  # x is multiplied by a number first: one more pass where a kernel runs
 
     @property
     def nbytes(self) -> int | None:

@@ -194,6 +194,10 @@ class FlashInferBackend(Backend):
                          if call.site.quant == "fp8_group" else None)
             if group_cap is not None and group_cap < cap:
                 cap, source = group_cap, "per-group FP8 cap (GROUP_QUANT_MAX_MIB)"
+            scaled_cap = (dispatch.scaled_input_cap(device_facts(_device_index(call.device)).sm[0], call.world_size)
+                          if call.input_scaled else None)
+            if scaled_cap is not None and scaled_cap < cap:
+                cap, source = scaled_cap, "scaled-input cap (SCALED_INPUT_MAX_MIB)"
         if call.nbytes is not None and call.nbytes > cap:
             return f"{call.nbytes} bytes per rank > cap {cap} ({source})"
         return None

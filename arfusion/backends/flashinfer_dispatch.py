@@ -66,6 +66,15 @@ _SEED_16BIT: dict[tuple[int, int], tuple[float, float]] = {
 # So per-group sites fuse only up to this many MiB there (static/dynamic FP8 use the table).
 GROUP_QUANT_MAX_MIB: dict[tuple[int, int], float] = {(9, 4): 4}
 
+# A site whose all-reduce input is scaled by a number first (Granite's multiplier: f * AR(x), run
+# as AR(f * x)) pays one more elementwise pass over the input where the kernel runs (the unfused
+# path folds f into its compiled norm). Fused only while the plain site's measured gain covers it:
+# on H200 an elementwise pass costs ~2 us + 2 x bytes / ~3.5 TB/s (2.6 us at 1 MiB, 6.8 at 8, 11.6
+# at 16), and the fused site gained over NCCL + compiled norm (docs/benchmarks.md, column a0 - b,
+# hidden 4096) 13 us at 8 MiB but 7 at 16 MiB (world 2), 10 us at 4 MiB but 4 at 8 MiB (world 4).
+# Estimated from those two measurements, not measured with a scale; SM100 takes SM90's entry.
+SCALED_INPUT_MAX_MIB: dict[tuple[int, int], float] = {(9, 2): 8, (9, 4): 4}
+
 # Quant forms whose FlashInfer kernel needs a newer GPU / CUDA than the rest: the one place
 # saying so. NVFP4 (codes 3/5): the FP4 conversion and its scale writes are compiled only for
 # __CUDA_ARCH__ >= 1000 and CUDA >= 12.8 (trtllm_allreduce_fusion.cuh in 0.7.2.post1); below
@@ -218,6 +227,12 @@ def group_quant_cap(sm_major: int, world_size: int) -> int | None:
     return None if mib is None else int(mib * MiB)
 
 
+def scaled_input_cap(sm_major: int, world_size: int) -> int | None:
+    """Bytes per rank up to which a site with a scaled input may fuse, beyond the table; None: no limit."""
+    mib = SCALED_INPUT_MAX_MIB.get((sm_major, world_size), SCALED_INPUT_MAX_MIB.get((9, world_size)))
+    return None if mib is None else int(mib * MiB)
+
+
 def use_oneshot(limits: Limits, tokens: int, nbytes: int, world_size: int) -> bool:
     # Two-shot splits tokens across ranks and asserts tokens > world size.
     return tokens <= world_size or nbytes <= limits.oneshot_max_bytes
@@ -228,6 +243,7 @@ def table_hash() -> str:
     seed = repr(sorted((k[0], k[1], str(k[2]), v.max_fused_bytes, v.oneshot_max_bytes)
                        for k, v in SEED_TABLE.items()))
     seed += repr(sorted(GROUP_QUANT_MAX_MIB.items())) + repr(sorted(QUANT_MIN_SM.items()))
+    seed += repr(sorted(SCALED_INPUT_MAX_MIB.items()))
     seed += repr(sorted(MOE_FINALIZE_MAX_TOKENS.items())) + repr(sorted(QUANTIZED_MIN_MIB.items()))
     seed += repr(moe_finalize_opted_in())
     return hashlib.sha256(f"{seed}|{cache_hash()}".encode()).hexdigest()[:16]

@@ -16,11 +16,14 @@ merged only where the sum flows into such an add. An all-reduced value that
 Inductor folded into a GEMM's bias slot (`addmm`) is first unfolded into `mm + add`. The rewritten all-reduce is
 then an ordinary site for `classify`, judged by the usual rule.
 Only regroupings of the same elements (reshape/view) may sit between an all-reduce and the sum,
-and each all-reduce's result must be read by that sum alone.
+and each all-reduce's result must be read by that sum alone. A lone all-reduce scaled by a number,
+f * AR(x) (Granite, MiniCPM), is not rewritten here: `scaled_all_reduce` finds it and the site
+starting at the product hands f to the fused op, so a site left unfused keeps the graph as it was.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +142,31 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     dead += [node for t in terms for node in (*t.chain, t.all_reduce)]
     _replace_with_all_reduce(graph, result, build, summed, terms[0].all_reduce.args[2], dead)
     return "gated" if gated else "plain"
+
+
+def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float, list[torch.fx.Node]] | None:
+    """`wait(all_reduce(x)) [regroupings] * f` with f a number other than 1 (Granite's residual and
+    embedding multipliers, MiniCPM's depth scale), the wait and regroupings each read only by the
+    next (the product may be read anywhere): (the product, f, the nodes from the wait to it).
+    f * AR(x) = AR(f * x) since f, a constant of the traced program, is the same on every rank; the
+    site then starts at the product, and the op takes x and f (`input_scale`), scaling x only
+    where its kernel runs (docs/patterns.md)."""
+    chain, node = [wait], wait
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target in REGROUPINGS:
+            chain.append(user)
+            node = user
+            continue
+        if user.target is not aten.mul.Tensor or user.kwargs or len(user.args) != 2:
+            return None
+        factor = user.args[1] if user.args[0] is node else user.args[0]
+        if type(factor) not in (int, float) or factor == 1 or not math.isfinite(factor):
+            return None
+        if not same_shape(node, user) or value(node).dtype != value(user).dtype:
+            return None
+        return user, float(factor), [*chain, user]
+    return None
 
 
 def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:

@@ -127,10 +127,14 @@ class Region:
     """The row-local region that reads one all-reduce's result."""
 
     all_reduce: torch.fx.Node
-    start: torch.fx.Node  # wait_tensor(all_reduce): the reduced value
+    start: torch.fx.Node  # wait_tensor(all_reduce): the reduced value (times input_scale)
     nodes: list[torch.fx.Node] = field(default_factory=list)  # in graph order, start excluded
     members: set[torch.fx.Node] = field(default_factory=set)  # nodes + start
     hints: list[str] = field(default_factory=list)  # row-mixing users met on the way (for reasons)
+    # f * AR(x) (collectives.scaled_all_reduce): start is the product, chain the nodes from the
+    # wait to it (erased with the all-reduce), input_scale f.
+    chain: list[torch.fx.Node] = field(default_factory=list)
+    input_scale: float = 1.0
 
     @property
     def x(self) -> torch.fx.Node:
@@ -205,9 +209,17 @@ def row_local(node: torch.fx.Node, region: Region) -> bool:
     return is_pointwise(node)
 
 
-def grow(start: torch.fx.Node, order: dict[torch.fx.Node, int]) -> Region:
-    """The region of the all-reduce whose wait is `start` (see the module docstring)."""
-    region = Region(all_reduce=start.args[0], start=start, members={start})
+def grow(start: torch.fx.Node, order: dict[torch.fx.Node, int],
+         scaled: tuple[torch.fx.Node, float, list[torch.fx.Node]] | None = None) -> Region:
+    """The region of the all-reduce whose wait is `start` (see the module docstring); with
+    `scaled` (collectives.scaled_all_reduce of that wait), the region of the scaled value."""
+    if scaled is not None:
+        product, factor, chain = scaled
+        region = Region(all_reduce=start.args[0], start=product, members={product}, chain=chain,
+                        input_scale=factor)
+        start = product
+    else:
+        region = Region(all_reduce=start.args[0], start=start, members={start})
     independent = Independence(start, order)
     queue = [(order[u], u) for u in start.users]
     heapq.heapify(queue)

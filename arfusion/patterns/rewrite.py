@@ -72,6 +72,14 @@ class Builder:
         return sizes
 
 
+_INPUT_SCALE_ARG = [a.name for a in FUSED_OP._schema.arguments].index("input_scale")
+
+
+def scaled_sites(graph: torch.fx.Graph) -> int:
+    """Fused ops in `graph` that take an input scale (f * AR(x) sites)."""
+    return sum(1 for n in graph.nodes if n.target is FUSED_OP and len(n.args) > _INPUT_SCALE_ARG)
+
+
 def op_site(site: Site) -> OpSite:
     return OpSite(residual=bool(site.residuals), norm=site.norm, quant=site.quant, emit_norm=site.emit_norm)
 
@@ -105,7 +113,8 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     tail = (residual, site.weight, site.eps, None if literal_eps else site.eps_input, region.group_name,
             site.norm, site.quant, scale, site.emit_norm, backend, max_bytes, site_key, *quantized)
     if combine is None:
-        fused = build.call(FUSED_OP, x, *tail)
+        # f * AR(x) (region.input_scale): the op gets x and f, so the graph's product goes too.
+        fused = build.call(FUSED_OP, x, *tail, *([region.input_scale] if region.input_scale != 1.0 else []))
     else:
         shared = None if combine.shared is None else build.reshape(combine.shared, combine.nodes[-1],
                                                                    [*sources, combine.shared])
@@ -131,7 +140,7 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
         if not node.users and node is not fused:
             graph.erase_node(node)
     # The site is dead now; DCE would keep wait_tensor (FX counts it as a side effect).
-    dead = site.nodes | {region.all_reduce} | set(combine.dead_nodes() if combine is not None else ())
+    dead = site.nodes | {region.all_reduce, *region.chain} | set(combine.dead_nodes() if combine is not None else ())
     for node in sorted(dead, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
