@@ -70,6 +70,14 @@ class Direct(nn.Module):
         return self.norm(h), h
 
 
+class ScaledDirect(Direct):
+    """Granite: the all-reduced value scaled by a number before the add (the op's input_scale)."""
+
+    def forward(self, y, residual):
+        h = residual + funcol.all_reduce(y, "sum", dist.group.WORLD) * 0.22
+        return self.norm(h), h
+
+
 class Fp32WeightNorm(nn.Module):
     """OLMo2-style norm (weight applied in fp32, one rounding) whose weight is an fp32 parameter
     while the activations are bf16: the kernels would misread it."""
@@ -170,6 +178,10 @@ def run_bad_inputs(rank: int, device: torch.device, backend: str, hidden: int = 
     if rank == 0:
         y[1 % T] = -0.0
     case("negative_zero", direct, (y, r))
+    # Granite's multiplier between the all-reduce and the add, static and dynamic shapes.
+    scaled = ScaledDirect(H).to(device)
+    case("scaled_input", scaled, (rand(T, H), rand(T, H)))
+    case("scaled_input_dynamic", scaled, (rand(T + 2, H), rand(T + 2, H)), dynamic=True)
     # Hidden size 36 (not a multiple of 8).
     case("hidden_36", block36, (rand(T, 36), rand(T, 36)))
     # fp32 norm weight, bf16 activations.

@@ -96,6 +96,12 @@ def test_negative_zeros_reduce_as_zeros(cases):
     assert r["stats"]["fused_sites"] == 1 and r["stats"]["dispatch"] == {"torch": 1}, r["stats"]
 
 
+def test_a_scaled_all_reduce_fuses_with_its_factor(cases):
+    for name in ("scaled_input", "scaled_input_dynamic"):
+        r = _ok(cases, name)
+        assert r["stats"]["fused_sites"] == 1 and r["stats"]["dispatch"] == {"torch": 1}, (name, r["stats"])
+
+
 def test_hidden_not_a_multiple_of_8(cases):
     r = _ok(cases, "hidden_36")
     # The torch reference takes any hidden size; FlashInfer would decline it (shape_check).

@@ -6,7 +6,8 @@
 The cases of tests/bad_input_cases.py (the CPU suite runs them with the `torch` backend), each a
 small model compiled with the pass against the same model run eagerly: non-contiguous and offset
 views, zero tokens, NaN/Inf, negative zeros (FlashInfer's one-shot kernels use -0.0 as their
-"not written yet" mark), hidden 36 (FlashInfer must decline it), an fp32 norm weight with bf16
+"not written yet" mark), Granite's multiplier between the all-reduce and the add (the op's
+input scale, static and dynamic), hidden 36 (FlashInfer must decline it), an fp32 norm weight with bf16
 activations (must stay unfused). Writes DIR/bad_inputs_rank<r>.json and DIR/bad_inputs.md; exits
 non-zero if a case is wrong or dispatched other than expected (on any rank).
 """
@@ -29,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.bad_input_cases import run_bad_inputs  # noqa: E402
 
-FUSED_BY_FLASHINFER = ("strided_slice", "transposed_back", "offset_view", "nan_inf", "negative_zero")
+FUSED_BY_FLASHINFER = ("strided_slice", "transposed_back", "offset_view", "nan_inf", "negative_zero",
+                       "scaled_input", "scaled_input_dynamic")
 LEFT_UNFUSED = ("zero_tokens", "zero_tokens_dynamic", "fp32_weight")
 
 
