@@ -123,7 +123,7 @@ class ArFusionPass(CustomGraphPass):
         scaled = patterns.scaled_all_reduce(start)
         if scaled is not None:  # f * AR(x): first as a site of the product, the op taking f
             outcome = self._fuse_region(graph, patterns.grow(start, order, scaled), all_reduce, site_key)
-            if outcome[0] == "fused":
+            if outcome[0] != "none":  # fused, or a site the backend declined (its reason, e.g. a size cap)
                 return outcome
         return self._fuse_region(graph, patterns.grow(start, order), all_reduce, site_key)
 

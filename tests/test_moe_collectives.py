@@ -69,9 +69,9 @@ class ReplicatedSharedExpert(nn.Module):
     residual. gated: Qwen3-Next / Qwen3.5-MoE all-reduce the shared expert too and scale it by a
     replicated sigmoid gate first."""
 
-    def __init__(self, gated=False, dtype=torch.bfloat16, residual=True):
+    def __init__(self, gated=False, dtype=torch.bfloat16, residual=True, routed_scale=None):
         super().__init__()
-        self.residual = residual
+        self.residual, self.routed_scale = residual, routed_scale  # MiniMax-M3: routed * f + shared
         self.routed = nn.Linear(H, H, bias=False, dtype=dtype)
         self.shared = nn.Linear(H, H, bias=False, dtype=dtype)
         self.gate = nn.Linear(H, 1, bias=False, dtype=dtype)
@@ -82,6 +82,8 @@ class ReplicatedSharedExpert(nn.Module):
         flat = x.reshape(-1, H)
         routed = self.routed(flat)
         dist.all_reduce(routed)
+        if self.routed_scale is not None:
+            routed = routed * self.routed_scale
         shared = self.shared(flat)
         if self.gated:
             dist.all_reduce(shared)
@@ -96,6 +98,17 @@ def test_a_replicated_term_added_after_the_all_reduce_folds_into_the_residual(fa
     assert len(fused) == 1 and stats["fused_sites"] == 1 and left == 0
     for a, e in zip(actual, expected):  # the terms are summed in another order: within their rounding
         assert_close(a, e, torch.bfloat16, "folded")
+
+
+def test_a_scaled_all_reduce_with_a_replicated_term_fuses(fake_pg):
+    """MiniMax-M3: AR(routed) * routed_scaling_factor + shared (replicated; Inductor puts the sum in
+    the shared expert's addmm) -> the site of the product, the factor in the op, shared a term."""
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(ReplicatedSharedExpert(routed_scale=2.5))
+    assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
+    assert fused[0][-1] == 2.5
+    for a, e in zip(actual, expected):
+        assert_close(a, e, torch.bfloat16, "scaled + replicated")
 
 
 def test_a_gated_all_reduced_term_merges_into_one_all_reduce(fake_pg):

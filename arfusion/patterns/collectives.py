@@ -194,15 +194,28 @@ def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     return True
 
 
+def _by_a_number(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor operand of `node` if it is `t * f` (either order) with f a number, else None."""
+    if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    a, b = node.args
+    if isinstance(a, torch.fx.Node) and type(b) in (int, float):
+        return a
+    if isinstance(b, torch.fx.Node) and type(a) in (int, float):
+        return b
+    return None
+
+
 def _unfold_addmm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
-    """addmm(AR(x), a, b) -> AR(x) + mm(a, b). Inductor folds an MoE block's `routed + shared`
-    into the shared expert's GEMM, the all-reduced value in its bias slot; unfolded, the
-    product is one more term of the site's residual."""
+    """addmm(AR(x) [* f], a, b) -> AR(x) [* f] + mm(a, b). Inductor folds an MoE block's
+    `routed + shared` into the shared expert's GEMM, the all-reduced value (MiniMax-M3: scaled by
+    its routed_scaling_factor) in its bias slot; unfolded, the product is one more term of the
+    site's residual."""
     if node.target is not aten.addmm.default or node.kwargs or not isinstance(node.args[0], torch.fx.Node):
         return False
     bias = node.args[0]
-    while bias.target in REGROUPINGS:
-        bias = bias.args[0]
+    while bias.target in REGROUPINGS or _by_a_number(bias) is not None:  # MiniMax-M3: AR(routed) * f
+        bias = bias.args[0] if bias.target in REGROUPINGS else _by_a_number(bias)
     if bias.target is not WAIT or value(node.args[0]).shape != value(node).shape:
         return False
     build = Builder(graph, node)
