@@ -493,12 +493,14 @@ arfusion, so it checks the matcher rather than repeating it.
   optional, and norms that return a factor come out as "other" and are not hooked; a norm
   called with a second tensor (a gate) is reported as a gated-norm look-alike.
 - **Sites** = RMSNorm calls whose input is one all-reduce [views] with at most one add:
-  `ar` (all-reduce → norm), `ar+add` (all-reduce + residual → norm) and `ar+ar` (the sum of two
+  `ar` (all-reduce → norm), `ar+add` (all-reduce + residual → norm), `ar+ar` (the sum of two
   all-reduces normed without a residual, e.g. a MoE block's own post-norm: the second is an
-  all-reduce + "residual" like any other). Other shapes are listed, not counted: `ar+ar+add`
+  all-reduce + "residual" like any other), and `ar*s`, `ar*s+add` (the all-reduce scaled by a
+  scalar first: Granite's multipliers, MiniCPM's depth scale, Gemma's embedding normaliser).
+  Other shapes are listed, not counted: `ar+ar+add`
   (routed + shared experts, both all-reduced, then the residual), `ar+replicated+add` (an extra
-  non-all-reduced term, e.g. a replicated shared expert), `ar*s…` (scaled before the add:
-  Granite's residual multiplier, Gemma's embedding scale), `ar*g…`, `ar+bias…`, `… (dtype cast)`,
+  non-all-reduced term, e.g. a replicated shared expert), `ar*s+replicated+add` and the like,
+  `ar*g…`, `ar+bias…`, `… (dtype cast)`,
   `ar+add×N` (a chain of residual adds, e.g. a post-norm model's embedding all-reduce reaching the
   final norm). "no norm" lists all-reduces whose value never reached a norm, with the op that
   consumed it.
