@@ -177,9 +177,11 @@ class FlashInferBackend(Backend):
         return 0 if limits is None else limits.max_fused_bytes
 
     def why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
-        reason = (self.capabilities.why_not(call) or self.unavailable(call.device) or self.shape_check(call)
-                  or dispatch.quant_problem(call.site.quant, device_facts(_device_index(call.device)).sm[0],
-                                            torch.version.cuda))
+        reason = self.capabilities.why_not(call) or self.unavailable(call.device) or self.shape_check(call)
+        if reason:
+            return reason
+        sm = device_facts(_device_index(call.device)).sm[0]
+        reason = dispatch.quant_problem(call.site.quant, sm, torch.version.cuda)
         if reason:
             return reason
         if max_bytes_override is not None:
@@ -187,17 +189,16 @@ class FlashInferBackend(Backend):
         else:
             limits = self.limits(call)
             if limits is None:
-                return (f"no dispatch entry for SM {device_facts(_device_index(call.device)).sm[0]}x, "
+                return (f"no dispatch entry for SM {sm}x, "
                         f"world size {call.world_size}, {call.dtype} (run `arfusion tune`)")
             cap, source = limits.max_fused_bytes, limits.source
-            group_cap = (dispatch.group_quant_cap(device_facts(_device_index(call.device)).sm[0], call.world_size)
-                         if call.site.quant == "fp8_group" else None)
-            if group_cap is not None and group_cap < cap:
-                cap, source = group_cap, "per-group FP8 cap (GROUP_QUANT_MAX_MIB)"
-            scaled_cap = (dispatch.scaled_input_cap(device_facts(_device_index(call.device)).sm[0], call.world_size)
-                          if call.input_scaled else None)
-            if scaled_cap is not None and scaled_cap < cap:
-                cap, source = scaled_cap, "scaled-input cap (SCALED_INPUT_MAX_MIB)"
+            # Sites that pay one more kernel or pass than the table's plain site have lower caps.
+            for applies, lower_cap, name in (
+                    (call.site.quant == "fp8_group", dispatch.group_quant_cap, "per-group FP8 cap (GROUP_QUANT_MAX_MIB)"),
+                    (call.input_scaled, dispatch.scaled_input_cap, "scaled-input cap (SCALED_INPUT_MAX_MIB)")):
+                lower = lower_cap(sm, call.world_size) if applies else None
+                if lower is not None and lower < cap:
+                    cap, source = lower, name
         if call.nbytes is not None and call.nbytes > cap:
             return f"{call.nbytes} bytes per rank > cap {cap} ({source})"
         return None

@@ -158,11 +158,10 @@ def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float, list[t
             chain.append(user)
             node = user
             continue
-        if user.target is not aten.mul.Tensor or user.kwargs or len(user.args) != 2:
+        scaled = _by_a_number(user)
+        if scaled is None or scaled[0] is not node or scaled[1] == 1 or not math.isfinite(scaled[1]):
             return None
-        factor = user.args[1] if user.args[0] is node else user.args[0]
-        if type(factor) not in (int, float) or factor == 1 or not math.isfinite(factor):
-            return None
+        factor = scaled[1]
         if not same_shape(node, user) or value(node).dtype != value(user).dtype:
             return None
         return user, float(factor), [*chain, user]
@@ -194,15 +193,15 @@ def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     return True
 
 
-def _by_a_number(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The tensor operand of `node` if it is `t * f` (either order) with f a number, else None."""
+def _by_a_number(node: torch.fx.Node) -> tuple[torch.fx.Node, int | float] | None:
+    """(t, f) if `node` is `t * f` (either order) with f a number, else None."""
     if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2:
         return None
     a, b = node.args
     if isinstance(a, torch.fx.Node) and type(b) in (int, float):
-        return a
+        return a, b
     if isinstance(b, torch.fx.Node) and type(a) in (int, float):
-        return b
+        return b, a
     return None
 
 
@@ -215,7 +214,7 @@ def _unfold_addmm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
         return False
     bias = node.args[0]
     while bias.target in REGROUPINGS or _by_a_number(bias) is not None:  # MiniMax-M3: AR(routed) * f
-        bias = bias.args[0] if bias.target in REGROUPINGS else _by_a_number(bias)
+        bias = bias.args[0] if bias.target in REGROUPINGS else _by_a_number(bias)[0]
     if bias.target is not WAIT or value(node.args[0]).shape != value(node).shape:
         return False
     build = Builder(graph, node)
