@@ -133,8 +133,7 @@ class ArFusionPass(CustomGraphPass):
         if isinstance(site, str):
             return "none", site
         reason = ""
-        # The MoE op has no input scale: a scaled combine is left to Inductor.
-        combine = self._moe_combine(site, all_reduce) if region.input_scale == 1.0 else None
+        combine = self._moe_combine(site, all_reduce)
         for variant in (site, site.without_quant()) if site.quant != "none" else (site,):
             quantized = self._quantized(variant)
             reason = self._backend_refuses(variant, quantized=quantized)
@@ -157,8 +156,8 @@ class ArFusionPass(CustomGraphPass):
                              "fused op", all_reduce.name, region.input_scale)
                 if take is not None:
                     stats.record_moe_combine(site_key)
-                    log.info("arfusion: %s: MoE top-k combine (K=%d) fused into the site's op", all_reduce.name,
-                             take.top_k)
+                    log.info("arfusion: %s: MoE top-k combine (K=%d) fused into the site's op%s", all_reduce.name,
+                             take.top_k, f", with its factor {take.routed_scale:g}" if take.routed_scale != 1.0 else "")
                 return "fused", name
             reason = "a symbolic shape between the all-reduce and the norm cannot be expressed"
         return "declined", reason

@@ -291,14 +291,19 @@ def moe_combine_allreduce_rmsnorm(
     quantized: str = "",
     quantized_min_bytes: int = -1,
     shared: torch.Tensor | None = None,
+    routed_scale: float = 1.0,
+    input_scale: float = 1.0,
 ) -> list[torch.Tensor]:
-    """MoE top-k combine [+ shared] -> all_reduce -> [+ residual] -> RMSNorm [-> quant]; outputs [T, H] in
-    `Site.outputs()` order, as `fused_allreduce_rmsnorm` of the combined [T, H].
+    """MoE top-k combine [* routed_scale] [+ shared] -> all_reduce [* input_scale] -> [+ residual] ->
+    RMSNorm [-> quant]; outputs [T, H] in `Site.outputs()` order, as `fused_allreduce_rmsnorm` of the
+    combined [T, H] (with its input_scale).
 
     The combine is `reference.moe_combine(rows, scale, index, top_k, scale_first)`: rows [R, H]
     permuted expert outputs, index [T * K] the row of each (token, k), scale [R, 1] per row
     (scale_first) or [T * K, 1] per (token, k). shared [T, H], where given, is added to the combine
-    before the all-reduce (a shared expert's partial output). residual is [T, H]. A backend with a fused kernel
+    before the all-reduce (a shared expert's partial output), after the combine is multiplied by
+    routed_scale (Laguna's routed scaling factor); input_scale multiplies the all-reduced sum
+    (MiniMax-M3's, where its shared expert is replicated). residual is [T, H]. A backend with a fused kernel
     (FlashInfer's MoE finalize, where its dispatch entry allows) runs it; otherwise the combine
     runs in torch (compiled on GPUs) and then the ordinary fused site, so the answer is the same
     (a quantized all-reduce, where asked for, applies there: prefill sizes).
@@ -323,13 +328,13 @@ def moe_combine_allreduce_rmsnorm(
             stats.record_dispatch(chosen.name)
             outs = chosen.run_moe_combine(call, rows, scale, index, top_k, scale_first,
                                           None if residual is None else residual.reshape(tokens, hidden),
-                                          kernel_weight, eps, quant_scale, shared)
+                                          kernel_weight, eps, quant_scale, shared, routed_scale, input_scale)
             return dense_outputs(outs, (tokens,))
     log_once(f"arfusion: MoE combine of {site.name} ran in torch at run time, then the fused site: {reason}")
     combine = (compiled(reference.moe_combine) if compiles_fallback(rows.device) else reference.moe_combine)
-    combined = combine(rows, scale, index, top_k, scale_first, shared)
+    combined = combine(rows, scale, index, top_k, scale_first, shared, routed_scale)
     return fused_allreduce_rmsnorm(combined, residual, weight, eps, None, group_name, norm, quant, quant_scale,
-                                   emit_norm, backend, max_bytes, "", quantized, quantized_min_bytes)
+                                   emit_norm, backend, max_bytes, "", quantized, quantized_min_bytes, input_scale)
 
 
 def _quantized_takes(backend, call: Call, level: str, min_bytes: int) -> str | None:
@@ -342,7 +347,7 @@ def _quantized_takes(backend, call: Call, level: str, min_bytes: int) -> str | N
 @moe_combine_allreduce_rmsnorm.register_fake
 def _moe_fake(rows, scale, index, top_k, scale_first, residual, weight, eps, eps_tensor, group_name, norm, quant,
               quant_scale, emit_norm, backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1,
-              shared=None):
+              shared=None, routed_scale=1.0, input_scale=1.0):
     combined = rows.new_empty((index.shape[0] // top_k, rows.shape[-1]))
     return _fake(combined, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
                  backend, max_bytes)

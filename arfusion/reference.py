@@ -56,15 +56,18 @@ def unfused(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 
 
 def moe_combine(rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, top_k: int,
-                scale_first: bool, shared: torch.Tensor | None = None) -> torch.Tensor:
+                scale_first: bool, shared: torch.Tensor | None = None, routed_scale: float = 1.0) -> torch.Tensor:
     """The MoE top-k combine as HF's grouped experts spell it (transformers integrations/moe.py):
     `(rows * scale)[index].view(T, K, H).sum(1)` (scale_first: one weight per permuted row,
     scale [R, 1]) or `(rows[index] * scale).view(T, K, H).sum(1)` (one weight per (token, k) in
     token order, scale [T * K, 1]). index is 1-D [T * K]: (token, k) -> row. Same ops, dtypes
     and order as the graph, so the same rounding; weights of a wider dtype than the rows (fp32
     routers) make the combine run in that dtype, rounded to the rows' once at the end, as HF
-    returns it. `shared` [T, H], where given, is added after that (a shared expert's partial
-    output reduced with the routed one)."""
+    returns it. `routed_scale`, where not 1, multiplies that (Laguna's routed scaling factor), and
+    `shared` [T, H], where given, is added after (a shared expert's partial output reduced with the
+    routed one)."""
     gathered = (rows * scale)[index] if scale_first else rows[index] * scale
     combined = gathered.view(-1, top_k, rows.shape[-1]).sum(1).to(rows.dtype)
+    if routed_scale != 1.0:
+        combined = combined * routed_scale
     return combined if shared is None else combined + shared

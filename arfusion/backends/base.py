@@ -170,10 +170,11 @@ class Backend:
 
     def run_moe_combine(self, call: Call, rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor,
                         top_k: int, scale_first: bool, residual: torch.Tensor | None, weight: torch.Tensor,
-                        eps: float, quant_scale: torch.Tensor | None,
-                        shared: torch.Tensor | None = None) -> Sequence[torch.Tensor]:
-        """The fused result from the combine's inputs (see `reference.moe_combine`; `shared` [T, H]
-        added before the all-reduce); outputs in `call.site.outputs()` order, [T, H]."""
+                        eps: float, quant_scale: torch.Tensor | None, shared: torch.Tensor | None = None,
+                        routed_scale: float = 1.0, input_scale: float = 1.0) -> Sequence[torch.Tensor]:
+        """The fused result from the combine's inputs (see `reference.moe_combine`: the combine times
+        `routed_scale`, plus `shared` [T, H], all-reduced, times `input_scale`); outputs in
+        `call.site.outputs()` order, [T, H]."""
         raise NotImplementedError
 
     # Quantized all-reduce (opt-in, lossy; arfusion/quantized_comm.py): the op runs it, then the

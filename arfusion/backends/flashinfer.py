@@ -335,14 +335,17 @@ class FlashInferBackend(Backend):
         return dispatch.moe_finalize_problem(sm, call.world_size, call.tokens)
 
     def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale,
-                        shared=None):
+                        shared=None, routed_scale=1.0, input_scale=1.0):
         """FlashInfer's MoE finalize: out[t] = sum_k scale[t, k] * rows[index[t, k]] (+ shared[t], its
         `shared_expert_output`, added in the activation dtype before the reduction), all-reduced,
         + residual, RMSNorm, in one kernel on the group's ordinary workspace (the one `prepare`
         made for this call's size: per group, outside CUDA-graph pools, agreed by every rank).
         index goes in as int32 [T, K]; the weights as [T, K] in the activation dtype (a per-row
         scale is gathered to token order first; fp32 router weights are rounded: the kernel's
-        scale type is the activation type, and so is its accumulator)."""
+        scale type is the activation type, and so is its accumulator). The kernel's one number,
+        `routed_scaling_factor`, multiplies the routed sum before `shared` is added: it takes
+        routed_scale * input_scale, and `shared` is multiplied by input_scale, since
+        AR(routed * a + shared) * b = AR(routed * (a * b) + shared * b)."""
         finalize = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_moe_finalize_allreduce_fusion
         state = self._groups[call.group_name]
         tokens, hidden = call.tokens, call.hidden
@@ -357,14 +360,17 @@ class FlashInferBackend(Backend):
             residual_in = torch.zeros(tokens, hidden, dtype=call.dtype, device=rows.device)
         residual_out = torch.empty(tokens, hidden, dtype=call.dtype, device=rows.device)
         norm_out = torch.empty_like(residual_out)
+        routed = float(routed_scale * input_scale)
+        shared_in = shared if shared is None or input_scale == 1.0 else shared * input_scale
         group = dist.distributed_c10d._resolve_process_group(call.group_name)
         finalize(
             allreduce_in=flatten_tokens(rows), residual_in=residual_in, norm_weight=weight.contiguous(),
             expanded_idx_to_permuted_idx=expanded_to_permuted, norm_out=norm_out, residual_out=residual_out,
             quant_out=None, scale_out=None, workspace_ptrs=state.workspace.workspace_tensor,
             launch_with_pdl=self.launch_with_pdl, world_rank=group.rank(), world_size=group.size(),
-            eps=float(eps), shared_expert_output=None if shared is None else flatten_tokens(shared).contiguous(),
-            expert_scale_factor=expert_scale.to(call.dtype).contiguous(), routed_scaling_factor=None,
+            eps=float(eps), shared_expert_output=None if shared is None else flatten_tokens(shared_in).contiguous(),
+            expert_scale_factor=expert_scale.to(call.dtype).contiguous(),
+            routed_scaling_factor=None if routed == 1.0 else routed,
             weight_bias=1.0 if call.site.norm == "gemma_rms" else None)
         produced = {"residual": residual_out, "norm": norm_out}
         return [produced[name] for name in call.site.outputs()]

@@ -33,9 +33,9 @@ class TorchBackend(Backend):
         return None  # the reference computes anything: the combine exactly as the graph spelled it
 
     def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale,
-                        shared=None):
-        combined = reference.moe_combine(rows, scale, index, top_k, scale_first, shared)
-        return self.run(call, combined, residual, weight, eps, quant_scale)
+                        shared=None, routed_scale=1.0, input_scale=1.0):
+        combined = reference.moe_combine(rows, scale, index, top_k, scale_first, shared, routed_scale)
+        return reference.unfused(combined, residual, weight, eps, call.group_name, call.site, quant_scale, input_scale)
 
     def quantized_min_bytes(self, call, level):
         return 0, "the torch backend emulates the quantized all-reduce at every size"

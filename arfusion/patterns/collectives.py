@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..graph_utils import ALL_REDUCE, WAIT
-from .region import CONVERT, is_add, same_shape, value, widened_sum
+from .region import CONVERT, by_a_number, is_add, same_shape, value, widened_sum
 from .rewrite import Builder
 
 aten = torch.ops.aten
@@ -158,7 +158,7 @@ def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float, list[t
             chain.append(user)
             node = user
             continue
-        scaled = _by_a_number(user)
+        scaled = by_a_number(user)
         if scaled is None or scaled[0] is not node or scaled[1] == 1 or not math.isfinite(scaled[1]):
             return None
         factor = scaled[1]
@@ -193,18 +193,6 @@ def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     return True
 
 
-def _by_a_number(node: torch.fx.Node) -> tuple[torch.fx.Node, int | float] | None:
-    """(t, f) if `node` is `t * f` (either order) with f a number, else None."""
-    if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2:
-        return None
-    a, b = node.args
-    if isinstance(a, torch.fx.Node) and type(b) in (int, float):
-        return a, b
-    if isinstance(b, torch.fx.Node) and type(a) in (int, float):
-        return b, a
-    return None
-
-
 def _unfold_addmm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     """addmm(AR(x) [* f], a, b) -> AR(x) [* f] + mm(a, b). Inductor folds an MoE block's
     `routed + shared` into the shared expert's GEMM, the all-reduced value (MiniMax-M3: scaled by
@@ -213,8 +201,8 @@ def _unfold_addmm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     if node.target is not aten.addmm.default or node.kwargs or not isinstance(node.args[0], torch.fx.Node):
         return False
     bias = node.args[0]
-    while bias.target in REGROUPINGS or _by_a_number(bias) is not None:  # MiniMax-M3: AR(routed) * f
-        bias = bias.args[0] if bias.target in REGROUPINGS else _by_a_number(bias)[0]
+    while bias.target in REGROUPINGS or by_a_number(bias) is not None:  # MiniMax-M3: AR(routed) * f
+        bias = bias.args[0] if bias.target in REGROUPINGS else by_a_number(bias)[0]
     if bias.target is not WAIT or value(node.args[0]).shape != value(node).shape:
         return False
     build = Builder(graph, node)

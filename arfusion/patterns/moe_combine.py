@@ -18,11 +18,14 @@ the combine's, and with the graph's dtypes `reference.moe_combine` must give the
 fused op's reference path reproduces the graph's rounding exactly. A term added to the combine
 before the all-reduce (`AR(combine + shared)`, what `collectives.merge` makes of DeepSeek's
 `AR(routed) + AR(shared)`) goes into the op too; FlashInfer's kernel adds it the same way
-(`shared_expert_output`, after the weighted sum, before the all-reduce).
+(`shared_expert_output`, after the weighted sum, before the all-reduce). So does a number
+multiplying the combine before that add (Laguna's routed scaling factor, `AR(routed * f + shared)`
+once merged): the kernel's `routed_scaling_factor`, applied where the graph applies it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +35,7 @@ from . import forms
 from .classify import Site
 from .probe import ProbeError, evaluate
 from .region import CONVERT as CAST
-from .region import hint, hinted_shape, is_add, reduce_dims, same_shape, value, widened_sum
+from .region import by_a_number, hint, hinted_shape, is_add, reduce_dims, same_shape, value, widened_sum
 
 aten = torch.ops.aten
 VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
@@ -53,6 +56,7 @@ class Combine:
     # AR(combine) + AR(shared) became AR(combine + shared)), and the views and add that carry it.
     shared: torch.fx.Node | None = None
     tail: tuple[torch.fx.Node, ...] = ()
+    routed_scale: float = 1.0  # a number multiplying the combine before `shared` is added
 
     def dead_nodes(self) -> tuple[torch.fx.Node, ...]:
         """Everything the op replaces, graph order."""
@@ -75,12 +79,24 @@ def _row_weight(a: torch.fx.Node, b: torch.fx.Node, rows_dim: int):
     return None
 
 
-def _passes_through(node: torch.fx.Node) -> bool:
-    """A view, or a product with the literal 1 (a routed scaling factor of 1.0: bit-exact identity)."""
-    if node.target in VIEWS:
-        return True
-    return node.target is aten.mul.Tensor and not node.kwargs and len(node.args) == 2 \
-        and isinstance(node.args[0], torch.fx.Node) and type(node.args[1]) in (int, float) and node.args[1] == 1
+def _through_views_and_a_number(node: torch.fx.Node, reader: torch.fx.Node) -> tuple[torch.fx.Node, float,
+                                                                                    list[torch.fx.Node]]:
+    """(the node under `node`'s views and at most one product by a finite number, that number (1.0
+    where none), the nodes walked, from `node` down), each walked node read only by the one above
+    (`reader` for `node`). Laguna's `AR(routed) * routed_scaling_factor + AR(shared)` is merged into
+    `AR(routed * f + shared)`: f scales the combine alone, as FlashInfer's `routed_scaling_factor`."""
+    walked, factor = [], 1.0
+    while _only_user(node, walked[-1] if walked else reader):
+        scaled = by_a_number(node)
+        if node.target in VIEWS:
+            below = node.args[0]
+        elif scaled is not None and factor == 1.0 and math.isfinite(scaled[1]):
+            below, factor = scaled[0], float(scaled[1])
+        else:
+            break
+        walked.append(node)
+        node = below
+    return node, factor, walked
 
 
 def _addends(x: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node], tuple[torch.fx.Node, ...]] | None:
@@ -98,33 +114,36 @@ def _addends(x: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]
     return addends, list(add.args), (*add.args, add, x)
 
 
-def _split_shared(x: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, tuple[torch.fx.Node, ...],
-                                             torch.fx.Node | None]:
-    """(the combine candidate, the term added to it or None, the views and add between them and x,
-    the node reading the candidate there or None where there is no such term).
-    `x = view(combine) + shared` (either order, also summed in fp32 and cast back: `_addends`)
-    with both of x's shape and dtype: a shared expert's partial output summed in before the
-    all-reduce. `combine * 1` counts as a view."""
+def _is_combine_sum(node: torch.fx.Node) -> bool:
+    """A sum, or a sum cast back (an fp32 combine rounded once): what `find` goes on to check."""
+    summed = node.args[0] if node.target is CAST and isinstance(node.args[0], torch.fx.Node) else node
+    return summed.target is aten.sum.dim_IntList
+
+
+def _split_shared(x: torch.fx.Node, all_reduce: torch.fx.Node):
+    """(the combine candidate, the term added to it or None, the routed factor, the nodes between
+    them and x, the node reading the candidate there). `x = [f *] view(combine) + shared` (either
+    order, also summed in fp32 and cast back: `_addends`) with both of x's shape and dtype: a shared
+    expert's partial output summed in before the all-reduce; or `x = [f *] view(combine)` alone."""
     found = _addends(x)
-    if found is None:
-        return x, None, (), None
-    addends, readers, add_nodes = found
-    for i, candidate in enumerate(addends):
-        shared, views, node = addends[1 - i], [], candidate
-        while _passes_through(node) and _only_user(node, views[-1] if views else readers[i]):
-            views.append(node)
-            node = node.args[0]
-        summed = node.args[0] if node.target is CAST and isinstance(node.args[0], torch.fx.Node) else node
-        if summed.target is aten.sum.dim_IntList and _only_user(node, views[-1] if views else readers[i]) \
-                and all(same_shape(n, x) and value(n).dtype == value(x).dtype for n in (candidate, shared)):
-            return node, shared, (*reversed(views), *add_nodes), views[-1] if views else readers[i]
-    return x, None, (), None
+    if found is not None:
+        addends, readers, add_nodes = found
+        for i, candidate in enumerate(addends):
+            shared = addends[1 - i]
+            node, factor, walked = _through_views_and_a_number(candidate, readers[i])
+            if _is_combine_sum(node) and all(same_shape(n, x) and value(n).dtype == value(x).dtype
+                                             for n in (candidate, shared)):
+                return node, shared, factor, (*reversed(walked), *add_nodes), walked[-1] if walked else readers[i]
+    node, factor, walked = _through_views_and_a_number(x, all_reduce)
+    if walked and _is_combine_sum(node):
+        return node, None, factor, tuple(reversed(walked)), walked[-1]
+    return x, None, 1.0, (), None
 
 
 def find(site: Site) -> Combine | str:
     """The combine feeding `site`'s all-reduce, or why there is none."""
     region = site.region
-    total, shared, tail, reader = _split_shared(region.x)
+    total, shared, routed_scale, tail, reader = _split_shared(region.x, region.all_reduce)
     consumer, cast = reader or region.all_reduce, None
     if total.target is CAST and isinstance(total.args[0], torch.fx.Node):  # fp32 combine, rounded once
         if not _only_user(total, consumer):
@@ -179,7 +198,8 @@ def find(site: Site) -> Combine | str:
     if not scale_first and hinted_shape(scale)[0] != tokens * top_k:
         return "the weights after the gather are not one per (token, k)"
     combine = Combine(rows=rows, scale=scale, index=index, top_k=top_k, scale_first=scale_first,
-                      nodes=chain + ((cast,) if cast is not None else ()), shared=shared, tail=tail)
+                      nodes=chain + ((cast,) if cast is not None else ()), shared=shared, tail=tail,
+                      routed_scale=routed_scale)
     return _check_on_probe(combine, tokens) or combine
 
 

@@ -64,6 +64,18 @@ def is_add(node: torch.fx.Node) -> bool:
         and all(isinstance(a, torch.fx.Node) for a in node.args)
 
 
+def by_a_number(node: torch.fx.Node) -> tuple[torch.fx.Node, int | float] | None:
+    """(t, f) if `node` is `t * f` (either order) with f a number, else None."""
+    if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2:
+        return None
+    a, b = node.args
+    if isinstance(a, torch.fx.Node) and type(b) in (int, float):
+        return a, b
+    if isinstance(b, torch.fx.Node) and type(a) in (int, float):
+        return b, a
+    return None
+
+
 def widened_sum(back: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """(the add, [a, b]) if `back` is `(a.to(wide) + b.to(wide)).to(narrow)` with a and b narrow,
     the add read only by `back` and each upcast only by the add: HY-V3's

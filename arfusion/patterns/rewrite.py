@@ -72,12 +72,13 @@ class Builder:
         return sizes
 
 
-_INPUT_SCALE_ARG = [a.name for a in FUSED_OP._schema.arguments].index("input_scale")
+_INPUT_SCALE_ARG = {op: [a.name for a in op._schema.arguments].index("input_scale") for op in (FUSED_OP, MOE_OP)}
 
 
 def scaled_sites(graph: torch.fx.Graph) -> int:
     """Fused ops in `graph` that take an input scale (f * AR(x) sites)."""
-    return sum(1 for n in graph.nodes if n.target is FUSED_OP and len(n.args) > _INPUT_SCALE_ARG)
+    return sum(1 for n in graph.nodes if n.target in _INPUT_SCALE_ARG and len(n.args) > _INPUT_SCALE_ARG[n.target]
+               and n.args[_INPUT_SCALE_ARG[n.target]] != 1.0)
 
 
 def op_site(site: Site) -> OpSite:
@@ -121,8 +122,9 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
         if combine.shared is not None and shared is None:
             _undo(graph, build)
             return False
+        scales = (combine.routed_scale, region.input_scale)
         fused = build.call(MOE_OP, combine.rows, combine.scale, combine.index, combine.top_k,
-                           combine.scale_first, *tail, shared)
+                           combine.scale_first, *tail, shared, *(scales if scales != (1.0, 1.0) else ()))
     outputs = op_site(site).outputs()
     produced = {name: build.call(operator.getitem, fused, i) for i, name in enumerate(outputs)}
     if "scale" in produced:

@@ -114,22 +114,29 @@ def all_reduced(t, group_name):
     return host.to(t.device)
 
 
-def exact(rows, scale, index, residual, weight, group_name, shared=None):
-    """Reference outputs: the combine [+ shared] in fp32, all-reduced in fp32, then the model's roundings."""
-    combined = ((rows.float() * scale.float())[index]).view(-1, K, rows.shape[-1]).sum(1)
+def exact(rows, scale, index, residual, weight, group_name, shared=None, routed_scale=1.0, input_scale=1.0):
+    """Reference outputs: the combine [* routed_scale] [+ shared] in fp32, all-reduced in fp32
+    [* input_scale], then the model's roundings."""
+    combined = ((rows.float() * scale.float())[index]).view(-1, K, rows.shape[-1]).sum(1) * routed_scale
     if shared is not None:
         combined = combined + shared.float()
-    h = (residual.float() + all_reduced(combined, group_name)).to(DTYPE)
+    h = (residual.float() + all_reduced(combined, group_name) * input_scale).to(DTYPE)
     return h, reference.rms_norm(h, weight, EPS, "rms")
+
+
+# (routed_scale, input_scale): none; Laguna's routed factor (before the shared term, after the merge);
+# MiniMax-M3's factor after the all-reduce; both (the kernel's routed_scaling_factor takes the product).
+SCALES = ((1.0, 1.0), (2.5, 1.0), (1.0, 0.75), (2.5, 0.5))
 
 
 def check_shared_expert(device, rank, group_name, kernel_calls, failures):
     """A shared expert's partial output added before the all-reduce (the op's `shared`, FlashInfer's
-    `shared_expert_output`), with the routing weights in bf16 and in fp32 (DeepSeek): eager,
-    against the fp32 reference with the term, per (hidden, T)."""
+    `shared_expert_output`), with the routing weights in bf16 and in fp32 (DeepSeek), and numbers
+    scaling the combine (`SCALES`: FlashInfer's `routed_scaling_factor`): eager, against the fp32
+    reference, per (hidden, T)."""
     checks = []
     for hidden in HIDDENS:
-        for tokens in (1, 8):
+        for tokens, (routed_scale, input_scale) in ((t, s) for t in (1, 8) for s in SCALES):
             for weights_dtype in (DTYPE, torch.float32):
                 rows, scale, index, residual, weight = make_inputs(tokens, hidden, device, rank, seed=2)
                 scale = torch.rand(scale.shape, generator=torch.Generator().manual_seed(3)).to(device, weights_dtype)
@@ -138,13 +145,15 @@ def check_shared_expert(device, rank, group_name, kernel_calls, failures):
                 kernel_calls[0] = 0
                 got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
                     rows, scale, index, K, True, residual, weight, EPS, None, group_name, "rms", "none", None,
-                    True, "flashinfer", -1, shared=shared)
-                h, normed = exact(rows, scale, index, residual, weight, group_name, shared)
+                    True, "flashinfer", -1, shared=shared, routed_scale=routed_scale, input_scale=input_scale)
+                h, normed = exact(rows, scale, index, residual, weight, group_name, shared, routed_scale, input_scale)
                 errs = {"residual": rel(got[0], h), "norm": rel(got[1], normed)}
                 checks.append({"hidden": hidden, "tokens": tokens, "weights": str(weights_dtype),
+                               "routed_scale": routed_scale, "input_scale": input_scale,
                                "ran_kernel": kernel_calls[0] > 0, "rel_err": errs})
-                if max(errs.values()) > TOL or got[0].dtype != DTYPE:
-                    failures.append(f"shared expert H={hidden} T={tokens} {weights_dtype}: {errs}, {got[0].dtype}")
+                if max(errs.values()) > TOL or got[0].dtype != DTYPE or not kernel_calls[0]:
+                    failures.append(f"shared expert H={hidden} T={tokens} {weights_dtype} scales "
+                                    f"{routed_scale}, {input_scale}: {errs}, {got[0].dtype}, kernel {kernel_calls[0]}")
     return checks
 
 
