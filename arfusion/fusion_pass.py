@@ -133,7 +133,8 @@ class ArFusionPass(CustomGraphPass):
         if isinstance(site, str):
             return "none", site
         reason = ""
-        combine = self._moe_combine(site, all_reduce)
+        # The MoE op takes numbers only (a tensor factor after an MoE block: not seen in any model).
+        combine = None if isinstance(region.input_scale, torch.fx.Node) else self._moe_combine(site, all_reduce)
         for variant in (site, site.without_quant()) if site.quant != "none" else (site,):
             quantized = self._quantized(variant)
             reason = self._backend_refuses(variant, quantized=quantized)
@@ -151,9 +152,11 @@ class ArFusionPass(CustomGraphPass):
             if patterns.rewrite(graph, variant, self.config.backend, -1 if cap is None else cap, site_key,
                                 combine=take, quantized=quantized):
                 stats.record_site(site_key, name)
-                if region.input_scale != 1.0:
-                    log.info("arfusion: %s: scaled by %g before the residual add; the factor goes into the "
-                             "fused op", all_reduce.name, region.input_scale)
+                if region.scaled:
+                    factor = region.input_scale
+                    log.info("arfusion: %s: scaled by %s before the residual add; the factor goes into the "
+                             "fused op", all_reduce.name,
+                             f"the 0-d tensor {factor.name}" if isinstance(factor, torch.fx.Node) else f"{factor:g}")
                 if take is not None:
                     stats.record_moe_combine(site_key)
                     log.info("arfusion: %s: MoE top-k combine (K=%d) fused into the site's op%s", all_reduce.name,
@@ -198,7 +201,7 @@ class ArFusionPass(CustomGraphPass):
         call = Call(site=patterns.op_site(site), tokens=tokens if isinstance(tokens, int) else None,
                     hidden=int(normed.shape[-1]), dtype=normed.dtype, weight_dtype=weight.dtype,
                     world_size=group_size(group_name), device=normed.device, group_name=group_name,
-                    input_scaled=site.region.input_scale != 1.0)
+                    input_scaled=site.region.scaled)
         backend, reason = backends.resolve(self.config.backend, normed.device)
         return call, backend, reason
 

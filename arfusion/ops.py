@@ -184,6 +184,7 @@ def fused_allreduce_rmsnorm(
     quantized: str = "",
     quantized_min_bytes: int = -1,
     input_scale: float = 1.0,
+    input_scale_tensor: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """all_reduce(x) [* input_scale] [+ residual] -> RMSNorm [-> quant]; outputs in `Site.outputs()` order.
 
@@ -195,7 +196,11 @@ def fused_allreduce_rmsnorm(
     (< 0: the backend's crossover) where the backend has it (`quantized_or_none`). input_scale
     (Granite's multiplier, f * AR(x) in the graph) multiplies x before a kernel runs, the
     all-reduced value on the unfused path, so that path pays no extra pass over the tensor.
+    input_scale_tensor, when given, is that factor as a 0-d tensor of x's dtype (Gemma's embedding
+    normaliser, a buffer) and replaces input_scale.
     """
+    if input_scale_tensor is not None:
+        input_scale = input_scale_tensor
     site = site_of(residual, norm, quant, emit_norm)
     if site_key:
         stats.record_site(site_key, site.name)
@@ -205,7 +210,7 @@ def fused_allreduce_rmsnorm(
         weight = unit_weight(x.device, x.dtype, x.shape[-1])
     call = Call(site=site, tokens=num_tokens(x.shape), hidden=x.shape[-1], dtype=x.dtype,
                 weight_dtype=weight.dtype, world_size=group_size(group_name), device=x.device,
-                group_name=group_name, input_scaled=input_scale != 1.0)
+                group_name=group_name, input_scaled=input_scale_tensor is not None or input_scale != 1.0)
     chosen, reason = resolve(backend, x.device)
     outs = None
     if chosen is not None and quantized:
@@ -225,8 +230,8 @@ def fused_allreduce_rmsnorm(
     return dense_outputs(outs, x.shape[:-1])
 
 
-def _scaled(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return x if scale == 1.0 else x * scale
+def _scaled(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    return x if not isinstance(scale, torch.Tensor) and scale == 1.0 else x * scale
 
 
 def dense_outputs(outs: list[torch.Tensor], lead) -> list[torch.Tensor]:
@@ -255,7 +260,8 @@ def _layout_key(*tensors) -> tuple | None:
 
 @fused_allreduce_rmsnorm.register_fake
 def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
-          backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1, input_scale=1.0):
+          backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1, input_scale=1.0,
+          input_scale_tensor=None):
     # The reference math on fake tensors gives exactly the real outputs' metadata.
     site = site_of(residual, norm, quant, emit_norm)
     key = _layout_key(x, residual, weight, quant_scale)

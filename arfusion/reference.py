@@ -34,12 +34,12 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float, norm: str
 
 def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
                  eps: float, site: Site, quant_scale: torch.Tensor | None = None,
-                 reduced_scale: float = 1.0) -> list[torch.Tensor]:
+                 reduced_scale: float | torch.Tensor = 1.0) -> list[torch.Tensor]:
     """Everything after the all-reduce (scaled first by `reduced_scale`, Granite's multiplier);
     outputs in `site.outputs()` order."""
     from . import quant  # local: quant imports this module
 
-    if reduced_scale != 1.0:
+    if isinstance(reduced_scale, torch.Tensor) or reduced_scale != 1.0:
         reduced = reduced * reduced_scale
     h = reduced if residual is None else residual + reduced
     normed = rms_norm(h, weight, eps, site.norm)

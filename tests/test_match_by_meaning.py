@@ -230,9 +230,39 @@ def test_an_all_reduce_scaled_by_a_number_fuses_with_the_factor_in_the_op(fake_p
     assert_matches_eager(actual, expected)  # one rank: f * x is f * AR(x), rounded once
 
 
+class EmbeddingScaled(Site):
+    """Gemma's vocab-parallel embedding: AR(y) * normaliser, a 0-d bf16 buffer; the product is
+    normed (layer 0's input norm) and is the residual stream (added to later)."""
+
+    def __init__(self, residual_after=True):
+        super().__init__(NORMS["hf_llama"][0])
+        self.register_buffer("normaliser", torch.tensor(H ** 0.5, dtype=torch.bfloat16))
+        self.residual_after = residual_after
+
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = y * self.normaliser
+        normed = self.norm(h, self.weight, self.eps)
+        return (normed, h + residual) if self.residual_after else (normed, h * 2)
+
+
+@pytest.mark.parametrize("spelling, module", [
+    ("0-d constant", lambda: Site(NORMS["hf_llama"][0], residual=lambda r, y: r + y * torch.tensor(0.22, dtype=y.dtype))),
+    ("0-d buffer (Gemma's embedding normaliser)", EmbeddingScaled),
+])
+def test_an_all_reduce_scaled_by_a_0d_tensor_in_the_residual_stream_fuses(fake_pg, spelling, module):
+    """The tensor is the same on every rank where the product goes into the residual stream (as a
+    gate in a merged sum): the op takes it as input_scale_tensor."""
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(module())
+    assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
+    assert isinstance(fused[0][-1], torch.fx.Node) and fused[0][-2] == 1.0  # input_scale_tensor, input_scale
+    assert_matches_eager(actual, expected)
+
+
 @pytest.mark.parametrize("spelling, combine", [
     ("divided", lambda r, y: r + y / 7.0),                    # not handled: stays, with its reason
-    ("0-d tensor", lambda r, y: r + y * torch.tensor(0.22, dtype=y.dtype)),
     ("per-token tensor", lambda r, y: r + y * torch.sigmoid(r[..., :1])),
     ("not linear", lambda r, y: r + 0.5 / (y.abs() + 1)),
 ])
@@ -242,6 +272,15 @@ def test_other_scalings_of_the_all_reduce_stay_unfused(fake_pg, spelling, combin
     assert fused == [] and left == 1 and stats["scaled_all_reduces_fused"] == 0, stats
     for a, e in zip(actual, expected):  # plain Inductor keeps some intermediates in fp32
         assert_close(a, e, torch.bfloat16, spelling)
+
+
+def test_a_0d_tensor_factor_outside_the_residual_stream_stays_unfused(fake_pg):
+    """Nothing says such a tensor is the same on every rank: AR(y) * t stays as written."""
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(EmbeddingScaled(residual_after=False))
+    assert fused == [] and left == 1 and stats["scaled_all_reduces_fused"] == 0, stats
+    for a, e in zip(actual, expected):
+        assert_close(a, e, torch.bfloat16, "outside the residual stream")
 
 
 @pytest.mark.parametrize("beta", [1.0, None])

@@ -186,7 +186,7 @@ def _spellings_by_meaning(rank, dynamic):
     """One model holding sites of many spellings (norms, the MoE view, quants), on real ranks."""
     from torch import nn
 
-    from .test_match_by_meaning import NORMS, QUANTS, SCALED, Site
+    from .test_match_by_meaning import NORMS, QUANTS, SCALED, EmbeddingScaled, Site
 
     # Every spelling once; under dynamic shapes (slower to compile) one of each kind.
     norm_names = list(NORMS) if not dynamic else ["hf_llama", "olmo2_weight_in_fp32", "gemma_one_plus_weight",
@@ -201,6 +201,7 @@ def _spellings_by_meaning(rank, dynamic):
             quants = [Site(NORMS["hf_llama"][0], quant=QUANTS[name][0]) for name in quant_names]
             # Granite's multiplier: f * AR(y), f into the op (the ranks scale before the sum)
             scaled = [Site(NORMS["hf_llama"][0], residual=SCALED[name]) for name in ("granite", "no residual")]
+            scaled.append(EmbeddingScaled())  # Gemma: a 0-d bf16 buffer as the factor
             self.sites = nn.ModuleList(norms + quants + scaled)
 
         def forward(self, x, residual):
@@ -212,7 +213,7 @@ def _spellings_by_meaning(rank, dynamic):
     inputs = (torch.randn(2, 5, 256, dtype=torch.bfloat16), torch.randn(2, 5, 256, dtype=torch.bfloat16))
     actual, expected, stats = compiled_vs_eager(model, inputs, dynamic=dynamic)
     assert stats["fused_sites"] == len(model.sites) and not stats["why_not"], stats
-    assert stats["scaled_all_reduces_fused"] == 2, stats
+    assert stats["scaled_all_reduces_fused"] == 3, stats
     for i, (a, e) in enumerate(zip(actual, expected)):
         if a.dtype == torch.float8_e4m3fn:
             from .test_match_by_meaning import assert_fp8_close

@@ -144,13 +144,17 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     return "gated" if gated else "plain"
 
 
-def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float, list[torch.fx.Node]] | None:
+def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float | torch.fx.Node,
+                                                    list[torch.fx.Node]] | None:
     """`wait(all_reduce(x)) [regroupings] * f` with f a number other than 1 (Granite's residual and
-    embedding multipliers, MiniCPM's depth scale), the wait and regroupings each read only by the
-    next (the product may be read anywhere): (the product, f, the nodes from the wait to it).
-    f * AR(x) = AR(f * x) since f, a constant of the traced program, is the same on every rank; the
-    site then starts at the product, and the op takes x and f (`input_scale`), scaling x only
-    where its kernel runs (docs/patterns.md)."""
+    embedding multipliers, MiniCPM's depth scale) or a 0-d tensor of the product's dtype whose
+    product goes into the residual stream (Gemma's embedding normaliser, a buffer), the wait and
+    regroupings each read only by the next (the product may be read anywhere): (the product, f,
+    the nodes from the wait to it). f * AR(x) = AR(f * x) where f is the same on every rank: a
+    number is a constant of the traced program; a tensor is, for the reason a gate is in
+    `_merge_sum_of_two` (the residual stream and AR(x) are the same on every rank). The site then
+    starts at the product, and the op takes x and f (`input_scale`, or `input_scale_tensor`),
+    scaling x only where its kernel runs (docs/patterns.md)."""
     chain, node = [wait], wait
     while len(node.users) == 1:
         (user,) = node.users
@@ -158,13 +162,29 @@ def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float, list[t
             chain.append(user)
             node = user
             continue
-        scaled = by_a_number(user)
-        if scaled is None or scaled[0] is not node or scaled[1] == 1 or not math.isfinite(scaled[1]):
+        scaled = by_a_number(user) or _by_a_scalar_tensor(user)
+        if scaled is None or scaled[0] is not node or not same_shape(node, user) \
+                or value(node).dtype != value(user).dtype:
             return None
         factor = scaled[1]
-        if not same_shape(node, user) or value(node).dtype != value(user).dtype:
+        if isinstance(factor, torch.fx.Node):
+            return (user, factor, [*chain, user]) if _into_residual_stream(user) else None
+        if factor == 1 or not math.isfinite(factor):
             return None
         return user, float(factor), [*chain, user]
+    return None
+
+
+def _by_a_scalar_tensor(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(t, s) if `node` is `t * s` (either order) with s a 0-d tensor of t's dtype, else None."""
+    if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2 \
+            or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        return None
+    for t, s in (node.args, reversed(node.args)):
+        scalar, tensor = value(s), value(t)
+        if isinstance(scalar, torch.Tensor) and isinstance(tensor, torch.Tensor) and scalar.dim() == 0 \
+                and tensor.dim() > 0 and scalar.dtype == tensor.dtype:
+            return t, s
     return None
 
 

@@ -144,9 +144,13 @@ class Region:
     members: set[torch.fx.Node] = field(default_factory=set)  # nodes + start
     hints: list[str] = field(default_factory=list)  # row-mixing users met on the way (for reasons)
     # f * AR(x) (collectives.scaled_all_reduce): start is the product, chain the nodes from the
-    # wait to it (erased with the all-reduce), input_scale f.
+    # wait to it (erased with the all-reduce), input_scale f (a number, or a 0-d tensor's node).
     chain: list[torch.fx.Node] = field(default_factory=list)
-    input_scale: float = 1.0
+    input_scale: float | torch.fx.Node = 1.0
+
+    @property
+    def scaled(self) -> bool:
+        return isinstance(self.input_scale, torch.fx.Node) or self.input_scale != 1.0
 
     @property
     def x(self) -> torch.fx.Node:
@@ -222,7 +226,7 @@ def row_local(node: torch.fx.Node, region: Region) -> bool:
 
 
 def grow(start: torch.fx.Node, order: dict[torch.fx.Node, int],
-         scaled: tuple[torch.fx.Node, float, list[torch.fx.Node]] | None = None) -> Region:
+         scaled: tuple[torch.fx.Node, float | torch.fx.Node, list[torch.fx.Node]] | None = None) -> Region:
     """The region of the all-reduce whose wait is `start` (see the module docstring); with
     `scaled` (collectives.scaled_all_reduce of that wait), the region of the scaled value."""
     if scaled is not None:

@@ -72,13 +72,29 @@ class Builder:
         return sizes
 
 
-_INPUT_SCALE_ARG = {op: [a.name for a in op._schema.arguments].index("input_scale") for op in (FUSED_OP, MOE_OP)}
+def _arg_index(op, name: str) -> int:
+    return [a.name for a in op._schema.arguments].index(name)
+
+
+_SCALE_ARGS = {FUSED_OP: (_arg_index(FUSED_OP, "input_scale"), _arg_index(FUSED_OP, "input_scale_tensor")),
+               MOE_OP: (_arg_index(MOE_OP, "input_scale"),)}
 
 
 def scaled_sites(graph: torch.fx.Graph) -> int:
     """Fused ops in `graph` that take an input scale (f * AR(x) sites)."""
-    return sum(1 for n in graph.nodes if n.target in _INPUT_SCALE_ARG and len(n.args) > _INPUT_SCALE_ARG[n.target]
-               and n.args[_INPUT_SCALE_ARG[n.target]] != 1.0)
+    def scaled(node):
+        number, *tensor = _SCALE_ARGS[node.target]
+        given = node.args[number] if len(node.args) > number else 1.0
+        return given != 1.0 or any(len(node.args) > i and node.args[i] is not None for i in tensor)
+
+    return sum(1 for n in graph.nodes if n.target in _SCALE_ARGS and scaled(n))
+
+
+def _scale_args(region) -> list:
+    """The plain op's trailing (input_scale[, input_scale_tensor]) for `region`; none if unscaled."""
+    if isinstance(region.input_scale, torch.fx.Node):
+        return [1.0, region.input_scale]
+    return [region.input_scale] if region.input_scale != 1.0 else []
 
 
 def op_site(site: Site) -> OpSite:
@@ -115,7 +131,7 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
             site.norm, site.quant, scale, site.emit_norm, backend, max_bytes, site_key, *quantized)
     if combine is None:
         # f * AR(x) (region.input_scale): the op gets x and f, so the graph's product goes too.
-        fused = build.call(FUSED_OP, x, *tail, *([region.input_scale] if region.input_scale != 1.0 else []))
+        fused = build.call(FUSED_OP, x, *tail, *_scale_args(region))
     else:
         shared = None if combine.shared is None else build.reshape(combine.shared, combine.nodes[-1],
                                                                    [*sources, combine.shared])
