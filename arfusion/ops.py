@@ -196,8 +196,9 @@ def fused_allreduce_rmsnorm(
     (< 0: the backend's crossover) where the backend has it (`quantized_or_none`). input_scale
     (Granite's multiplier, f * AR(x) in the graph) multiplies x before a kernel runs, the
     all-reduced value on the unfused path, so that path pays no extra pass over the tensor.
-    input_scale_tensor, when given, is that factor as a 0-d tensor of x's dtype (Gemma's embedding
-    normaliser, a buffer) and replaces input_scale.
+    input_scale_tensor, when given, is that factor as a 0-d floating tensor that leaves x's dtype
+    as it is (Gemma's embedding normaliser, a buffer; a float attribute under dynamic=True) and
+    replaces input_scale.
     """
     if input_scale_tensor is not None:
         input_scale = input_scale_tensor

@@ -64,7 +64,8 @@ def stats() -> dict:
     (GPU); these three come from the pass, so a cache hit adds nothing to them. Likewise
     summed_all_reduces_merged (AR(a) + AR(b) rewritten as AR(a + b): one collective fewer each;
     gated_all_reduces_merged of them with a factor, AR(a) + f * AR(b) -> AR(a + f * b))
-    sums_moved_before_all_reduce (sum(AR(x)) rewritten as AR(sum(x))) and
+    sums_moved_before_all_reduce (sum(AR(x)) rewritten as AR(sum(x))), scaled_sums_distributed
+    ((AR(a) + b) * f rewritten as AR(a) * f + b * f, b replicated: Granite-4's MoE layers) and
     scaled_all_reduces_fused (f * AR(x), e.g. Granite's multiplier: sites whose op took f).
     moe_combines_fused counts the fused sites whose op also took in the MoE top-k combine in
     front of the all-reduce (arfusion::moe_combine_allreduce_rmsnorm), counted like fused_sites.
@@ -81,6 +82,7 @@ def stats() -> dict:
             "summed_all_reduces_merged": _collectives["summed_all_reduces_merged"],
             "gated_all_reduces_merged": _collectives["gated_all_reduces_merged"],
             "sums_moved_before_all_reduce": _collectives["sums_moved_before_all_reduce"],
+            "scaled_sums_distributed": _collectives["scaled_sums_distributed"],
             "scaled_all_reduces_fused": _collectives["scaled_all_reduces_fused"],
             "moe_combines_fused": len(_moe_combines),
             "dispatch": dict(_dispatch),

@@ -456,6 +456,7 @@ ROW_HEADER = ("| model type | sites (counter) | fused | other AR shapes / look-a
 # stats() counters of the MoE rewrites, and how the table names them
 REWRITES = {"summed_all_reduces_merged": "merged", "gated_all_reduces_merged": "of them gated",
             "sums_moved_before_all_reduce": "sum moved before",
+            "scaled_sums_distributed": "scaled sum split",
             "scaled_all_reduces_fused": "scaled (factor in the op)",
             "moe_combines_fused": "top-k combine fused"}
 

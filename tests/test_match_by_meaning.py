@@ -274,6 +274,21 @@ def test_other_scalings_of_the_all_reduce_stay_unfused(fake_pg, spelling, combin
         assert_close(a, e, torch.bfloat16, spelling)
 
 
+def test_a_float_attribute_under_dynamic_shapes_fuses(fake_pg):
+    """HF Granite multiplies by `self.residual_multiplier`; dynamic=True lifts such a float into a
+    graph input, an fp32 0-d tensor times the bf16 all-reduced value: the op takes it as a tensor."""
+    class Granite(Site):
+        def __init__(self):
+            super().__init__(NORMS["hf_llama"][0], residual=lambda r, y: r + y * self.residual_multiplier)
+            self.residual_multiplier = 0.22
+
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(Granite(), dynamic=True)
+    assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
+    assert isinstance(fused[0][-1], torch.fx.Node)
+    assert_matches_eager(actual, expected)
+
+
 def test_a_0d_tensor_factor_outside_the_residual_stream_stays_unfused(fake_pg):
     """Nothing says such a tensor is the same on every rank: AR(y) * t stays as written."""
     arfusion.reset_stats()

@@ -69,9 +69,10 @@ class ReplicatedSharedExpert(nn.Module):
     residual. gated: Qwen3-Next / Qwen3.5-MoE all-reduce the shared expert too and scale it by a
     replicated sigmoid gate first."""
 
-    def __init__(self, gated=False, dtype=torch.bfloat16, residual=True, routed_scale=None):
+    def __init__(self, gated=False, dtype=torch.bfloat16, residual=True, routed_scale=None, sum_scale=None):
         super().__init__()
         self.residual, self.routed_scale = residual, routed_scale  # MiniMax-M3: routed * f + shared
+        self.sum_scale = sum_scale  # Granite-4 (granitemoehybrid): (routed + shared) * residual_multiplier
         self.routed = nn.Linear(H, H, bias=False, dtype=dtype)
         self.shared = nn.Linear(H, H, bias=False, dtype=dtype)
         self.gate = nn.Linear(H, 1, bias=False, dtype=dtype)
@@ -89,6 +90,8 @@ class ReplicatedSharedExpert(nn.Module):
             dist.all_reduce(shared)
             shared = torch.sigmoid(self.gate(flat)) * shared
         h = (routed + shared).view(x.shape)
+        if self.sum_scale is not None:
+            h = h * self.sum_scale
         h = residual + h if self.residual else h
         return NORMS["hf_llama"][0](h, self.weight, 1e-6), h
 
@@ -109,6 +112,19 @@ def test_a_scaled_all_reduce_with_a_replicated_term_fuses(fake_pg):
     assert fused[0][-1] == 2.5
     for a, e in zip(actual, expected):
         assert_close(a, e, torch.bfloat16, "scaled + replicated")
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_scaled_sum_with_a_replicated_term_is_split_and_fuses(fake_pg, gated):
+    """Granite-4: residual + (AR(routed) + shared) * 0.22 -> AR(routed) * 0.22 + shared * 0.22 +
+    residual: the site of the scaled all-reduce, the factor in the op. Gated (Qwen3-Next's shape
+    scaled): the two all-reduces merge first, then the merged one is scaled alone already."""
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(ReplicatedSharedExpert(gated=gated, sum_scale=0.22))
+    assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
+    assert fused[0][-1] == 0.22 and stats["scaled_sums_distributed"] == (not gated), stats
+    for a, e in zip(actual, expected):
+        assert_close(a, e, torch.bfloat16, "scaled sum")
 
 
 def test_a_gated_all_reduced_term_merges_into_one_all_reduce(fake_pg):
@@ -199,7 +215,8 @@ def _tensor_parallel_gated_expert(rank):
 def _moe_ends(rank, dynamic):
     torch.manual_seed(0)  # same weights on every rank
     models = [RoutedPlusShared(), RoutedPlusShared(terms=3), RoutedPlusShared(widen=True), ExpertRowsSummed(),
-              ExpertRowsSummed(sum_dtype=torch.float32), ReplicatedSharedExpert()]
+              ExpertRowsSummed(sum_dtype=torch.float32), ReplicatedSharedExpert(),
+              ReplicatedSharedExpert(sum_scale=0.22)]
     torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
     inputs = (torch.randn(1, 6, H, dtype=torch.bfloat16), torch.randn(1, 6, H, dtype=torch.bfloat16))
     cases = [(model, inputs) for model in models] + [_tensor_parallel_gated_expert(rank)]

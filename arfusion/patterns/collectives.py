@@ -13,8 +13,10 @@ replicated, but the model does: the sum is added into the residual stream, which
 working tensor-parallel model holds identically, and AR(a), AR(b) and the residual are identical
 on every rank, so f * AR(b) must be too, i.e. f wherever AR(b) is not zero. So a scaled term is
 merged only where the sum flows into such an add. An all-reduced value that
-Inductor folded into a GEMM's bias slot (`addmm`) is first unfolded into `mm + add`. The rewritten all-reduce is
-then an ordinary site for `classify`, judged by the usual rule.
+Inductor folded into a GEMM's bias slot (`addmm`) is first unfolded into `mm + add`. A number
+scaling the sum of an all-reduce and a replicated term, (AR(a) + b) * f (Granite-4's MoE layers),
+is distributed, AR(a) * f + b * f, so that the all-reduce is scaled alone (below). The rewritten
+all-reduce is then an ordinary site for `classify`, judged by the usual rule.
 Only regroupings of the same elements (reshape/view) may sit between an all-reduce and the sum,
 and each all-reduce's result must be read by that sum alone. A lone all-reduce scaled by a number,
 f * AR(x) (Granite, MiniCPM), is not rewritten here: `scaled_all_reduce` finds it and the site
@@ -93,9 +95,12 @@ def _term(node: torch.fx.Node) -> _Term | None:
 
 
 def _into_residual_stream(node: torch.fx.Node) -> bool:
-    """Whether `node` (through regroupings) is added to something: the residual stream."""
+    """Whether `node` (through regroupings and products by a nonzero number) is added to something:
+    the residual stream."""
     for user in node.users:
-        if user.target is aten.add.Tensor or (user.target in REGROUPINGS and _into_residual_stream(user)):
+        scaled = by_a_number(user)
+        passes = user.target in REGROUPINGS or (scaled is not None and scaled[1] != 0 and math.isfinite(scaled[1]))
+        if user.target is aten.add.Tensor or (passes and _into_residual_stream(user)):
             return True
     return False
 
@@ -162,28 +167,42 @@ def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float | torch
             chain.append(user)
             node = user
             continue
-        scaled = by_a_number(user) or _by_a_scalar_tensor(user)
-        if scaled is None or scaled[0] is not node or not same_shape(node, user) \
-                or value(node).dtype != value(user).dtype:
+        scaled = _by_a_factor(user)
+        if scaled is None or scaled[0] is not node:
             return None
         factor = scaled[1]
-        if isinstance(factor, torch.fx.Node):
-            return (user, factor, [*chain, user]) if _into_residual_stream(user) else None
-        if factor == 1 or not math.isfinite(factor):
+        if isinstance(factor, torch.fx.Node) and not _into_residual_stream(user):
             return None
-        return user, float(factor), [*chain, user]
+        return user, factor, [*chain, user]
     return None
 
 
+def _by_a_factor(node: torch.fx.Node) -> tuple[torch.fx.Node, float | torch.fx.Node] | None:
+    """(t, f) if `node` is `t * f`, f a finite number other than 1 or a 0-d tensor of t's dtype (a
+    model's float attribute under dynamic=True becomes one), the product of t's shape and dtype."""
+    scaled = by_a_number(node)
+    if scaled is not None:
+        if scaled[1] == 1 or not math.isfinite(scaled[1]):
+            return None
+        scaled = scaled[0], float(scaled[1])
+    else:
+        scaled = _by_a_scalar_tensor(node)
+    if scaled is None or not same_shape(scaled[0], node) or value(scaled[0]).dtype != value(node).dtype:
+        return None
+    return scaled
+
+
 def _by_a_scalar_tensor(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """(t, s) if `node` is `t * s` (either order) with s a 0-d tensor of t's dtype, else None."""
+    """(t, s) if `node` is `t * s` (either order) with s a 0-d floating tensor, else None. A 0-d
+    tensor does not promote t (`_by_a_factor` checks the product's dtype): it multiplies as a number
+    does, in t's compute type (an fp32 0-d factor is what dynamic=True makes of a float attribute)."""
     if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2 \
             or not all(isinstance(a, torch.fx.Node) for a in node.args):
         return None
     for t, s in (node.args, reversed(node.args)):
         scalar, tensor = value(s), value(t)
         if isinstance(scalar, torch.Tensor) and isinstance(tensor, torch.Tensor) and scalar.dim() == 0 \
-                and tensor.dim() > 0 and scalar.dtype == tensor.dtype:
+                and tensor.dim() > 0 and scalar.dtype.is_floating_point:
             return t, s
     return None
 
@@ -213,6 +232,36 @@ def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     return True
 
 
+def _distribute_a_number(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """(AR(a) [regroupings] + b) [regroupings] * f -> (AR(a) [regroupings] * f + b * f) [regroupings],
+    f a number other than 1 or a 0-d tensor, b not all-reduced (Granite-4's MoE layers: `residual + (moe +
+    shared_mlp(h)).view(B, S, H) * residual_multiplier`, the shared MLP replicated): the all-reduce
+    is then scaled alone, a site that takes f (`scaled_all_reduce`), and b * f one more term of
+    its residual."""
+    scaled = _by_a_factor(node)
+    if scaled is None:
+        return False
+    total, factor = scaled
+    while total.target in REGROUPINGS and len(total.users) == 1:
+        total = total.args[0]
+    if not is_add(total) or len(total.users) != 1 or value(total).dtype != value(node).dtype \
+            or value(total).numel() != value(node).numel():
+        return False
+    for i, reduced in enumerate(total.args):
+        other = total.args[1 - i]
+        if _reduced_source(reduced) is None or _reduced_source(other) is not None \
+                or not same_shape(other, total) or value(other).dtype != value(total).dtype:
+            continue
+        build = Builder(graph, total)
+        terms = [build.call(aten.mul.Tensor, t, factor) for t in total.args]
+        total.replace_all_uses_with(build.call(aten.add.Tensor, *terms))
+        node.replace_all_uses_with(scaled[0])
+        graph.erase_node(node)
+        graph.erase_node(total)
+        return True
+    return False
+
+
 def _unfold_addmm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     """addmm(AR(x) [* f], a, b) -> AR(x) [* f] + mm(a, b). Inductor folds an MoE block's
     `routed + shared` into the shared expert's GEMM, the all-reduced value (MiniMax-M3: scaled by
@@ -237,7 +286,8 @@ def merge(graph: torch.fx.Graph) -> dict[str, int]:
     """Apply the rewrites until none applies; how many of each."""
     for node in list(graph.nodes):
         _unfold_addmm(graph, node)
-    done = {"summed_all_reduces_merged": 0, "gated_all_reduces_merged": 0, "sums_moved_before_all_reduce": 0}
+    done = {"summed_all_reduces_merged": 0, "gated_all_reduces_merged": 0, "sums_moved_before_all_reduce": 0,
+            "scaled_sums_distributed": 0}
     changed = True
     while changed:
         changed = False
@@ -251,4 +301,7 @@ def merge(graph: torch.fx.Graph) -> dict[str, int]:
             elif _sum_before_all_reduce(graph, node):
                 done["sums_moved_before_all_reduce"] += 1
                 changed = True
+    # After the merges: (AR(a) + AR(b)) * f has become AR(a + b) * f, a scaled site as it stands.
+    for node in list(graph.nodes):
+        done["scaled_sums_distributed"] += _distribute_a_number(graph, node)
     return done
