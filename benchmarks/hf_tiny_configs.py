@@ -80,6 +80,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
        for m in ("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared")},
     # MiniMax-Text-01: the residual is scaled (alpha), the all-reduced branch is not (beta = 1).
     "minimax": {"full_attn_alpha_factor": 3.5566, "linear_attn_alpha_factor": 3.5566, "mlp_alpha_factor": 3.5566},
+    # A routed scaling factor other than the default 1.0 (an identity Inductor drops), so that the
+    # routed term is scaled before it meets the shared one (DeepSeek-V3 ships 2.5).
+    "laguna": {"moe_routed_scaling_factor": 2.5},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
 }
 

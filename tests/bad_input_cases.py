@@ -78,6 +78,28 @@ class ScaledDirect(Direct):
         return self.norm(h), h
 
 
+class ScaledByBuffer(Direct):
+    """Gemma: the all-reduced embedding times a 0-d bf16 buffer, normed, and the residual stream."""
+
+    def __init__(self, hidden):
+        super().__init__(hidden)
+        self.register_buffer("normaliser", torch.tensor(hidden ** 0.5, dtype=BF16))
+
+    def forward(self, y, residual):
+        h = funcol.all_reduce(y, "sum", dist.group.WORLD) * self.normaliser
+        return self.norm(h), h + residual
+
+
+class ScaledByAttribute(Direct):
+    """HF Granite's `* self.residual_multiplier`: under dynamic=True an fp32 0-d graph input."""
+
+    residual_multiplier = 0.22
+
+    def forward(self, y, residual):
+        h = residual + funcol.all_reduce(y, "sum", dist.group.WORLD) * self.residual_multiplier
+        return self.norm(h), h
+
+
 class Fp32WeightNorm(nn.Module):
     """OLMo2-style norm (weight applied in fp32, one rounding) whose weight is an fp32 parameter
     while the activations are bf16: the kernels would misread it."""
@@ -182,6 +204,11 @@ def run_bad_inputs(rank: int, device: torch.device, backend: str, hidden: int = 
     scaled = ScaledDirect(H).to(device)
     case("scaled_input", scaled, (rand(T, H), rand(T, H)))
     case("scaled_input_dynamic", scaled, (rand(T + 2, H), rand(T + 2, H)), dynamic=True)
+    # A 0-d tensor as the factor (the op's input_scale_tensor): Gemma's buffer, and a float
+    # attribute, which dynamic=True turns into a graph input.
+    case("scaled_by_a_buffer", ScaledByBuffer(H).to(device), (rand(T, H), rand(T, H)))
+    case("scaled_by_an_attribute_dynamic", ScaledByAttribute(H).to(device), (rand(T + 2, H), rand(T + 2, H)),
+         dynamic=True)
     # Hidden size 36 (not a multiple of 8).
     case("hidden_36", block36, (rand(T, 36), rand(T, 36)))
     # fp32 norm weight, bf16 activations.

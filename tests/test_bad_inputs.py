@@ -99,7 +99,8 @@ def test_negative_zeros_reduce_as_zeros(cases):
 
 
 def test_a_scaled_all_reduce_fuses_with_its_factor(cases):
-    _fused_once_by_torch(cases, "scaled_input", "scaled_input_dynamic")
+    _fused_once_by_torch(cases, "scaled_input", "scaled_input_dynamic", "scaled_by_a_buffer",
+                         "scaled_by_an_attribute_dynamic")
 
 
 def test_hidden_not_a_multiple_of_8(cases):

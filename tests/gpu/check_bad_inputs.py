@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from tests.bad_input_cases import run_bad_inputs  # noqa: E402
 
 FUSED_BY_FLASHINFER = ("strided_slice", "transposed_back", "offset_view", "nan_inf", "negative_zero",
-                       "scaled_input", "scaled_input_dynamic")
+                       "scaled_input", "scaled_input_dynamic", "scaled_by_a_buffer", "scaled_by_an_attribute_dynamic")
 LEFT_UNFUSED = ("zero_tokens", "zero_tokens_dynamic", "fp32_weight")
 
 
