@@ -362,6 +362,8 @@ def _worker(rank, world, init_file, out_dir):
             calls[key].clear()
         calls["fail_build"] = name == "fail_build" and rank == 1
         calls["fail_create"] = name == "fail_create" and rank == 1
+        # Rank 1's GPU without room for the workspace (the pre-check every rank agrees on).
+        fi._free_device_bytes = (lambda device: 0) if name == "low_memory" and rank == 1 else (lambda device: None)
         arfusion.reset_stats()
         result = results[name] = {"errors": []}
         small = 1024 * 64 * 2  # a user cap of 1024 tokens at hidden 64: the first workspace's size
@@ -396,6 +398,7 @@ def _worker(rank, world, init_file, out_dir):
     # Fresh groups over the same ranks: each gets its own workspace negotiation.
     scenario("fail_build", dist.new_group([0, 1]))
     scenario("fail_create", dist.new_group([0, 1]))
+    scenario("low_memory", dist.new_group([0, 1]))
     backend.close()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, default=str))
     dist.destroy_process_group()
@@ -494,7 +497,7 @@ def test_workspace_created_once_per_group_reused_and_grown(two_rank_results):
         assert result["dispatch"] == {"flashinfer": 6}
 
 
-@pytest.mark.parametrize("name", ["fail_build", "fail_create"])
+@pytest.mark.parametrize("name", ["fail_build", "fail_create", "low_memory"])
 def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
     results = [r[name] for r in two_rank_results]
     for result in results:
@@ -502,7 +505,7 @@ def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
         assert result["dispatch"] == {"fallback": 1}
         assert result["fusion"] == []
         assert result["group"] != "0"
-    if name == "fail_build":
+    if name in ("fail_build", "low_memory"):
         assert all(r["creates"] == [] for r in results)  # agreement came before creation
     else:
         assert len(results[0]["creates"]) == 1  # rank 0 created, then dropped it with everyone

@@ -245,15 +245,16 @@ class FlashInferBackend(Backend):
         comm_device = call.device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
         started = time.perf_counter()
 
-        local_problem = _build_kernels()
+        itemsize = torch.empty((), dtype=call.dtype).element_size()
+        max_tokens = max(1, math.ceil(wanted_bytes / (call.hidden * itemsize)))
+        local_problem = _build_kernels() or _memory_problem(
+            call.device, dispatch.workspace_bytes_bound(group.size(), max_tokens, call.hidden))
         facts = [] if local_problem else _rank_facts(_device_index(call.device))
         verdict = _group_verdict(local_problem, facts, group, comm_device)
         if not all_ranks_agree(verdict is None, group, comm_device):
             state.failed = verdict or "another rank of the group cannot use FlashInfer (see its log)"
             return state.failed
 
-        itemsize = torch.empty((), dtype=call.dtype).element_size()
-        max_tokens = max(1, math.ceil(wanted_bytes / (call.hidden * itemsize)))
         workspace, error = None, None
         try:
             fic = importlib.import_module("flashinfer.comm")
@@ -516,6 +517,18 @@ def _build_kernels() -> str | None:
 _FACTS = ("host", "device_uuid", "sm", "table")
 
 
+def _free_device_bytes(device: torch.device) -> int | None:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def _memory_problem(device: torch.device, needed: int) -> str | None:
+    free = _free_device_bytes(device)
+    if free is not None and free < needed:
+        return (f"{free / dispatch.MiB:.0f} MiB free on this rank's GPU, the workspace may need up to "
+                f"{needed / dispatch.MiB:.0f} MiB")
+    return None
+
+
 def _rank_facts(index: int) -> list[int]:
     facts = device_facts(index)
     return [hash63(socket.gethostname()), hash63(facts.uuid), facts.sm[0] * 10 + facts.sm[1],
@@ -536,7 +549,7 @@ def _group_verdict(local_problem: str | None, facts: list[int], group, comm_devi
     if local_problem:
         return local_problem
     if any(row[0] == 0 for row in table):
-        return "FlashInfer kernels unavailable on another rank of the group"
+        return "FlashInfer kernels or memory unavailable on another rank of the group"
     host, uuid, sm, tables = (set(col) for col in list(zip(*table))[1:])
     if len(host) > 1:
         return "the group spans nodes (FlashInfer's trtllm all-reduce is single-node only)"

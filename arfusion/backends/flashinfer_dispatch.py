@@ -31,6 +31,18 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # bounds the workspace (about 4 x world x this per rank).
 HARD_MAX_FUSED_BYTES = 64 * MiB
 
+# FlashInfer's workspace creation allocates, then meets the other ranks in a rendezvous: a rank
+# that fails to allocate leaves its peers waiting there (seen on an H100 with the failure
+# injected). So every rank first checks its free memory against an upper bound of the workspace
+# (0.7.2.post1's trtllm_create_ipc_workspace_for_all_reduce_fusion: a data buffer of
+# world x tokens x hidden elements and a Lamport buffer of 3x that, 4 bytes each at most) plus
+# this margin, and the ranks agree before anyone allocates.
+WORKSPACE_MARGIN_BYTES = 256 * MiB
+
+
+def workspace_bytes_bound(world: int, max_tokens: int, hidden: int) -> int:
+    return 4 * 4 * world * max_tokens * hidden + WORKSPACE_MARGIN_BYTES
+
 
 @dataclass(frozen=True)
 class Limits:

@@ -136,6 +136,16 @@ for s in "$@"; do
           --seed $([ $j = a ] && echo 1 || echo 2) --out "$OUT/soak_two_jobs_$j" > "$OUT/jobs1shared_$j.log" 2>&1 &
       done
       wait; tail -n 12 "$OUT"/jobs1shared_a.log "$OUT"/jobs1shared_b.log ;;
+    faults1shared)  # issue 15's faults with the real FlashInfer: a cache hit in fresh processes, a rank failing
+      for c in cold warm fail_build low_memory; do
+        stage "faults1shared-$c" "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_faults.py --shared-gpu --case $c \
+          --cache /tmp/arfusion-fault-cache --out "$OUT/faults_shared_gpu"
+      done ;;
+    faults2)  # the same on two GPUs (NCCL)
+      for c in cold warm fail_build low_memory; do
+        stage "faults2-$c" "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_faults.py --case $c \
+          --cache /tmp/arfusion-fault-cache2 --out "$OUT/faults"
+      done ;;
     acc1shared)  # after trainacc1 (or train1) wrote /tmp/ckpt-acc
       stage acc1shared "${LIMIT:-300}" $TORCHRUN 2 benchmarks/eval_accuracy.py --model /tmp/ckpt-acc --shared-gpu \
         --seqs ${SEQS:-32} --out "$OUT/acc_shared_gpu" --configs eager compiled arfusion_exact ;;
