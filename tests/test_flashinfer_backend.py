@@ -391,7 +391,8 @@ def _worker(rank, world, init_file, out_dir):
             check(4096, max_bytes=4096 * 64 * 2)  # outgrows the workspace: a second, larger one
             result["retired"] = len(backend._groups[group.group_name].retired)
         result.update(creates=list(calls["create"]), fusion=list(calls["fusion"]),
-                      dispatch=arfusion.stats()["dispatch"], group=group.group_name)
+                      dispatch=arfusion.stats()["dispatch"], group=group.group_name,
+                      failed=backend._groups.current(group.group_name).failed)
 
     scenario("ok", dist.group.WORLD)
     results["quant"] = quant_scenario(calls, dist.group.WORLD.group_name, rank)
@@ -509,6 +510,9 @@ def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
         assert all(r["creates"] == [] for r in results)  # agreement came before creation
     else:
         assert len(results[0]["creates"]) == 1  # rank 0 created, then dropped it with everyone
+    if name == "low_memory":
+        assert "MiB free on this rank's GPU" in results[1]["failed"], results[1]["failed"]
+        assert results[0]["failed"] == "FlashInfer kernels or memory unavailable on another rank of the group"
 
 
 def test_quant_sites_run_the_right_flashinfer_pattern(two_rank_results):
