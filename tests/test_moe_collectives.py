@@ -72,7 +72,9 @@ class ReplicatedSharedExpert(nn.Module):
     def __init__(self, gated=False, dtype=torch.bfloat16, residual=True, routed_scale=None, sum_scale=None):
         super().__init__()
         self.residual, self.routed_scale = residual, routed_scale  # MiniMax-M3: routed * f + shared
-        self.sum_scale = sum_scale  # Granite-4 (granitemoehybrid): (routed + shared) * residual_multiplier
+        # Granite-4 (granitemoehybrid): (routed + shared) * residual_multiplier; "view first": the
+        # routed rows viewed back to [B, S, H] before the sum, which is scaled directly (HF's order)
+        self.sum_scale = sum_scale
         self.routed = nn.Linear(H, H, bias=False, dtype=dtype)
         self.shared = nn.Linear(H, H, bias=False, dtype=dtype)
         self.gate = nn.Linear(H, 1, bias=False, dtype=dtype)
@@ -89,9 +91,12 @@ class ReplicatedSharedExpert(nn.Module):
         if self.gated:
             dist.all_reduce(shared)
             shared = torch.sigmoid(self.gate(flat)) * shared
-        h = (routed + shared).view(x.shape)
-        if self.sum_scale is not None:
-            h = h * self.sum_scale
+        if isinstance(self.sum_scale, tuple):  # ("view first", f)
+            h = (routed.view(x.shape) + shared.view(x.shape)) * self.sum_scale[1]
+        else:
+            h = (routed + shared).view(x.shape)
+            if self.sum_scale is not None:
+                h = h * self.sum_scale
         h = residual + h if self.residual else h
         return NORMS["hf_llama"][0](h, self.weight, 1e-6), h
 
@@ -114,13 +119,13 @@ def test_a_scaled_all_reduce_with_a_replicated_term_fuses(fake_pg):
         assert_close(a, e, torch.bfloat16, "scaled + replicated")
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_a_scaled_sum_with_a_replicated_term_is_split_and_fuses(fake_pg, gated):
+@pytest.mark.parametrize("gated, sum_scale", [(False, 0.22), (False, ("view first", 0.22)), (True, 0.22)])
+def test_a_scaled_sum_with_a_replicated_term_is_split_and_fuses(fake_pg, gated, sum_scale):
     """Granite-4: residual + (AR(routed) + shared) * 0.22 -> AR(routed) * 0.22 + shared * 0.22 +
     residual: the site of the scaled all-reduce, the factor in the op. Gated (Qwen3-Next's shape
     scaled): the two all-reduces merge first, then the merged one is scaled alone already."""
     arfusion.reset_stats()
-    fused, left, actual, expected, stats = run(ReplicatedSharedExpert(gated=gated, sum_scale=0.22))
+    fused, left, actual, expected, stats = run(ReplicatedSharedExpert(gated=gated, sum_scale=sum_scale))
     assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
     assert fused[0][-1] == 0.22 and stats["scaled_sums_distributed"] == (not gated), stats
     for a, e in zip(actual, expected):
@@ -216,7 +221,7 @@ def _moe_ends(rank, dynamic):
     torch.manual_seed(0)  # same weights on every rank
     models = [RoutedPlusShared(), RoutedPlusShared(terms=3), RoutedPlusShared(widen=True), ExpertRowsSummed(),
               ExpertRowsSummed(sum_dtype=torch.float32), ReplicatedSharedExpert(),
-              ReplicatedSharedExpert(sum_scale=0.22)]
+              ReplicatedSharedExpert(sum_scale=0.22), ReplicatedSharedExpert(sum_scale=("view first", 0.22))]
     torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
     inputs = (torch.randn(1, 6, H, dtype=torch.bfloat16), torch.randn(1, 6, H, dtype=torch.bfloat16))
     cases = [(model, inputs) for model in models] + [_tensor_parallel_gated_expert(rank)]

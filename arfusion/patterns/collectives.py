@@ -254,8 +254,9 @@ def _distribute_a_number(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
             continue
         build = Builder(graph, total)
         terms = [build.call(aten.mul.Tensor, t, factor) for t in total.args]
-        total.replace_all_uses_with(build.call(aten.add.Tensor, *terms))
-        node.replace_all_uses_with(scaled[0])
+        split = build.call(aten.add.Tensor, *terms)
+        total.replace_all_uses_with(split)
+        node.replace_all_uses_with(split if scaled[0] is total else scaled[0])  # drop the old product
         graph.erase_node(node)
         graph.erase_node(total)
         return True
