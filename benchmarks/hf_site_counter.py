@@ -162,8 +162,10 @@ class SiteCounter(TorchDispatchMode):
             if _is_scalar(other) and float(other) == 1.0 and isinstance(out, torch.Tensor):
                 self.marks[res] = m  # x * 1.0 (a multiplier left at its default): no scale at all
                 return out
-            if pure and _is_scalar(other):
-                self.marks[res] = Mark(scaled=m.ars + m.scaled, gated=m.gated, cast=m.cast, ids=m.ids)
+            if m.bias == 0 and isinstance(out, torch.Tensor) and _is_scalar(other):
+                # (AR + t) * s is AR * s + t * s: Granite-4 scales the MoE output plus a replicated
+                # shared MLP's by its residual multiplier.
+                self.marks[res] = Mark(scaled=m.ars + m.scaled, gated=m.gated, full=m.full, cast=m.cast, ids=m.ids)
                 return out
             if (pure and isinstance(other, torch.Tensor) and self._get(other) is None
                     and other.numel() < out.numel()):
