@@ -223,7 +223,10 @@ def fused_allreduce_rmsnorm(
             reason = chosen.why_not(call, override) or chosen.prepare(call, override)
         if reason is None:
             stats.record_dispatch(chosen.name)
-            outs = chosen.run(call, _scaled(x, input_scale), residual, weight, eps, quant_scale)
+            if call.input_scaled:
+                outs = chosen.run_scaled(call, x, input_scale, residual, weight, eps, quant_scale)
+            else:
+                outs = chosen.run(call, x, residual, weight, eps, quant_scale)
         else:
             stats.record_dispatch("fallback")
             log_once(f"arfusion: {site.name} ran unfused at run time: {reason}")

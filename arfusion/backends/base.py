@@ -158,6 +158,14 @@ class Backend:
         """Compute the fused result; return tensors in `call.site.outputs()` order."""
         raise NotImplementedError
 
+    def run_scaled(self, call: Call, x: torch.Tensor, input_scale: float | torch.Tensor,
+                   residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                   quant_scale: torch.Tensor | None) -> Sequence[torch.Tensor]:
+        """`run` of all_reduce(x) * input_scale: a kernel takes x * input_scale (the same on every
+        rank, so the same sum up to rounding); a backend that can scale after the all-reduce, as
+        the graph does, overrides this."""
+        return self.run(call, x * input_scale, residual, weight, eps, quant_scale)
+
     # MoE top-k combine + all-reduce + residual + RMSNorm (`arfusion::moe_combine_allreduce_rmsnorm`).
     # A backend without such a kernel says why not; the op then combines in torch and runs the
     # ordinary fused site (`run` above), and the pass leaves the combine to Inductor where the

@@ -29,6 +29,10 @@ class TorchBackend(Backend):
     def run(self, call, x, residual, weight, eps, quant_scale):
         return reference.unfused(x, residual, weight, eps, call.group_name, call.site, quant_scale)
 
+    def run_scaled(self, call, x, input_scale, residual, weight, eps, quant_scale):
+        # After the all-reduce, as the graph scales: the reference rounds where the model does.
+        return reference.unfused(x, residual, weight, eps, call.group_name, call.site, quant_scale, input_scale)
+
     def moe_combine_why_not(self, call, top_k, rows):
         return None  # the reference computes anything: the combine exactly as the graph spelled it
 
