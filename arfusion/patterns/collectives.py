@@ -152,7 +152,7 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
 def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float | torch.fx.Node,
                                                     list[torch.fx.Node]] | None:
     """`wait(all_reduce(x)) [regroupings] * f` with f a number other than 1 (Granite's residual and
-    embedding multipliers, MiniCPM's depth scale) or a 0-d tensor of the product's dtype whose
+    embedding multipliers, MiniCPM's depth scale) or a 0-d floating tensor (`_by_a_factor`) whose
     product goes into the residual stream (Gemma's embedding normaliser, a buffer), the wait and
     regroupings each read only by the next (the product may be read anywhere): (the product, f,
     the nodes from the wait to it). f * AR(x) = AR(f * x) where f is the same on every rank: a
@@ -178,8 +178,8 @@ def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float | torch
 
 
 def _by_a_factor(node: torch.fx.Node) -> tuple[torch.fx.Node, float | torch.fx.Node] | None:
-    """(t, f) if `node` is `t * f`, f a finite number other than 1 or a 0-d tensor of t's dtype (a
-    model's float attribute under dynamic=True becomes one), the product of t's shape and dtype."""
+    """(t, f) if `node` is `t * f`, f a finite number other than 1 or a 0-d floating tensor (a model's
+    float attribute under dynamic=True becomes one), the product of t's shape and dtype."""
     scaled = by_a_number(node)
     if scaled is not None:
         if scaled[1] == 1 or not math.isfinite(scaled[1]):
@@ -232,14 +232,16 @@ def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     return True
 
 
-def _distribute_a_number(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+def _distribute_a_factor(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     """(AR(a) [regroupings] + b) [regroupings] * f -> (AR(a) [regroupings] * f + b * f) [regroupings],
     f a number other than 1 or a 0-d tensor, b not all-reduced (Granite-4's MoE layers: `residual + (moe +
     shared_mlp(h)).view(B, S, H) * residual_multiplier`, the shared MLP replicated): the all-reduce
     is then scaled alone, a site that takes f (`scaled_all_reduce`), and b * f one more term of
     its residual."""
     scaled = _by_a_factor(node)
-    if scaled is None:
+    # A tensor factor must be the same on every rank where it is taken: judged on the product as
+    # the model wrote it (`scaled_all_reduce`'s rule), not on the split sum made here.
+    if scaled is None or (isinstance(scaled[1], torch.fx.Node) and not _into_residual_stream(node)):
         return False
     total, factor = scaled
     while total.target in REGROUPINGS and len(total.users) == 1:
@@ -304,5 +306,5 @@ def merge(graph: torch.fx.Graph) -> dict[str, int]:
                 changed = True
     # After the merges: (AR(a) + AR(b)) * f has become AR(a + b) * f, a scaled site as it stands.
     for node in list(graph.nodes):
-        done["scaled_sums_distributed"] += _distribute_a_number(graph, node)
+        done["scaled_sums_distributed"] += _distribute_a_factor(graph, node)
     return done
