@@ -285,7 +285,8 @@ def test_a_float_attribute_under_dynamic_shapes_fuses(fake_pg):
     arfusion.reset_stats()
     fused, left, actual, expected, stats = run(Granite(), dynamic=True)
     assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
-    assert isinstance(fused[0][-1], torch.fx.Node)
+    # The fp64 graph input itself, not its fp32 cast (which would become a CPU kernel on GPUs).
+    assert isinstance(fused[0][-1], torch.fx.Node) and fused[0][-1].meta["val"].dtype == torch.float64
     assert_matches_eager(actual, expected)
 
 
