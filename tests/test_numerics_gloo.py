@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -45,6 +46,12 @@ def _worker(rank, world, port, fn, args):
         fn(rank, *args)
     finally:
         dist.destroy_process_group()
+    # Done and torn down: leave without the interpreter's own teardown, where gloo's threads
+    # sometimes abort the process ("terminate called without an active exception", SIGABRT after
+    # a passing test; pytorch/pytorch#179291, as in tests/gpu/soak.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def assert_close(actual, expected, dtype, what):
