@@ -171,10 +171,25 @@ def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float | torch
         if scaled is None or scaled[0] is not node:
             return None
         factor = scaled[1]
-        if isinstance(factor, torch.fx.Node) and not _into_residual_stream(user):
-            return None
+        if isinstance(factor, torch.fx.Node):
+            if not _into_residual_stream(user):
+                return None
+            factor = _before_opmath_cast(factor, value(user).dtype)
         return user, factor, [*chain, user]
     return None
+
+
+def _before_opmath_cast(factor: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    """The fp64 0-d tensor under `factor = factor64.to(float32)` (what dynamic=True makes of a float
+    attribute) where the product's dtype computes in fp32 anyway (bf16, fp16, fp32): a 0-d factor
+    enters the multiply cast to that compute type, so the op gets the same product from the
+    fp64 input, and the cast, a CPU kernel once it feeds the op (H100: 77 s of C++ compile on
+    the first call), goes with the site."""
+    source = factor.args[0] if factor.target is CONVERT and factor.args[1] == torch.float32 else None
+    if source is not None and isinstance(source, torch.fx.Node) and value(source).dtype == torch.float64 \
+            and value(source).dim() == 0 and dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return source
+    return factor
 
 
 def _by_a_factor(node: torch.fx.Node) -> tuple[torch.fx.Node, float | torch.fx.Node] | None:

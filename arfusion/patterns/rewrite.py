@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..backends.base import Site as OpSite
 from .classify import Site
 from .moe_combine import Combine
-from .region import CONVERT, same_shape, value
+from .region import same_shape, value
 
 aten = torch.ops.aten
 FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
@@ -93,21 +93,8 @@ def scaled_sites(graph: torch.fx.Graph) -> int:
 def _scale_args(region) -> list:
     """The plain op's trailing (input_scale[, input_scale_tensor]) for `region`; none if unscaled."""
     if isinstance(region.input_scale, torch.fx.Node):
-        return [1.0, _before_opmath_cast(region.input_scale, value(region.start).dtype)]
+        return [1.0, region.input_scale]
     return [region.input_scale] if region.input_scale != 1.0 else []
-
-
-def _before_opmath_cast(factor: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
-    """The fp64 0-d tensor under `factor = factor64.to(float32)` (what dynamic=True makes of a float
-    attribute) where the product's dtype computes in fp32 anyway (bf16, fp16, fp32): a 0-d factor
-    enters the multiply cast to that compute type, so the op gets the same product from the
-    fp64 input, and the cast, a CPU kernel once it feeds the op (H100: 77 s of C++ compile on
-    the first call), goes with the site."""
-    source = factor.args[0] if factor.target is CONVERT and factor.args[1] == torch.float32 else None
-    if source is not None and isinstance(source, torch.fx.Node) and value(source).dtype == torch.float64 \
-            and value(source).dim() == 0 and dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return source
-    return factor
 
 
 def op_site(site: Site) -> OpSite:
