@@ -97,7 +97,7 @@ for s in "$@"; do
     # setup; where that is the cap, run qop2 and qprefill2 as two commands).
     qop2) stage qop2 "${LIMIT:-200}" $TORCHRUN 2 benchmarks/bench_fused_op.py --quantized fp8 --out "$OUT" ;;
     qprefill2) stage qprefill2 "${LIMIT:-390}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases prefill \
-      --prefill 512 2048 8192 --quantized fp8 --replays 30 --tag quantized --ckpt-dir /tmp/ckpt-a --out "$OUT" ;;
+      --prefill ${PREFILL:-512 2048 8192} --quantized fp8 --replays 30 --tag quantized --ckpt-dir /tmp/ckpt-a --out "$OUT" ;;
     quantized2) bash "$0" qop2; bash "$0" qprefill2 ;;
     # Issue 14's trained-model accuracy where only one GPU is lent: train the default model on the GPU,
     # then evaluate it at TP=2 on the machine's CPUs (gloo, torch backend: exact, and each quantized
@@ -110,7 +110,10 @@ for s in "$@"; do
         arfusion_fp8 arfusion_int8 arfusion_int6 arfusion_int4 ;;
     acc2) stage acc2 "${LIMIT:-300}" $TORCHRUN 2 benchmarks/eval_accuracy.py --model /tmp/ckpt-acc --out "$OUT" \
       --configs eager compiled arfusion_exact arfusion_fp8 ;;
-    soak2) stage soak2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/soak.py --calls ${SOAK_CALLS:-10000} --out "$OUT/soak" ;;
+    # Each mode gets SOAK_BUDGET_S (default: an even share of the limit after ~40 s of start-up), so the
+    # stage ends with its results when the calls take longer than hoped.
+    soak2) stage soak2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/soak.py --calls ${SOAK_CALLS:-10000} \
+      --budget-s ${SOAK_BUDGET_S:-$(( (${LIMIT:-300} - 40) / 2 - 15 ))} --out "$OUT/soak" ;;
     loop2) stage loop2 "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     loop2r) stage loop2r "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
       --tag loop_on_first --out "$OUT" ;;

@@ -45,6 +45,7 @@ import shared_gpu  # tests/gpu/shared_gpu.py (the script's own directory is on s
 # The GPU checks' tolerance (tests/gpu/check_flashinfer.py): relative L2 error and max abs error
 # over max |eager|, for bf16 outputs (the FlashInfer kernel rounds once where HF rounds twice).
 REL_L2_TOL, MAX_TOL = 1e-2, 5e-2
+BUDGET_CHECK_EVERY = 250  # calls between the ranks' agreement on --budget-s (one tiny all-reduce)
 
 
 class LlamaRMSNorm(nn.Module):
@@ -127,7 +128,7 @@ def run_mode(name, args, model, device, backend, cap_tokens, world) -> dict:
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # per-rank activations
     mem = {"start": memory(device)}
-    mismatches, max_rel, max_abs, worst = 0, 0.0, 0.0, []
+    mismatches, max_rel, max_abs, worst, done = 0, 0.0, 0.0, [], 0
     started = time.perf_counter()
     with torch.no_grad():
         for i, tokens in enumerate(schedule):
@@ -147,20 +148,33 @@ def run_mode(name, args, model, device, backend, cap_tokens, world) -> dict:
                 mem["after_warmup"] = memory(device)
             if i + 1 == len(schedule) // 2:  # graphs compiled and captured by now: later growth would be a leak
                 mem["half"] = memory(device)
-            if rank == 0 and args.progress and (i + 1) % args.progress == 0:
-                print(f"soak {name}: {i + 1}/{len(schedule)} calls, {mismatches} mismatches, "
-                      f"max rel {max_rel:.2e}", flush=True)
+            done = i + 1
+            if rank == 0 and args.progress and done % args.progress == 0:
+                print(f"soak {name}: {done}/{len(schedule)} calls, {mismatches} mismatches, "
+                      f"max rel {max_rel:.2e}, {time.perf_counter() - started:.0f} s", flush=True)
+            if args.budget_s and done % BUDGET_CHECK_EVERY == 0 and out_of_time(started, args.budget_s, device):
+                if rank == 0:
+                    print(f"soak {name}: budget of {args.budget_s:.0f} s spent after {done} calls", flush=True)
+                break
     mem["end"] = memory(device)
     stats = arfusion.stats()
     del compiled
     torch._dynamo.reset()  # drops cudagraph trees (NCCL graphs stall destroy_process_group)
     gc.collect()
-    return {"mode": "reduce-overhead" if not dynamic else "dynamic=True", "calls": len(schedule),
+    schedule = schedule[:done]
+    return {"mode": "reduce-overhead" if not dynamic else "dynamic=True", "calls": done, "planned_calls": args.calls,
             "tokens_min": min(schedule), "tokens_max": max(schedule), "distinct_tokens": len(set(schedule)),
             "above_cap": sum(t > cap_tokens for t in schedule) if cap_tokens else None,
             "mismatches": mismatches, "max_rel_l2": max_rel, "max_rel_abs": max_abs, "worst": worst,
             "stats": {k: stats[k] for k in ("fused_sites", "unfused_sites", "why_not", "dispatch", "by_pattern")},
             "memory": mem, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def out_of_time(started: float, budget_s: float, device) -> bool:
+    """True on every rank once any rank has spent the budget (the ranks must stop at the same call)."""
+    flag = torch.tensor([float(time.perf_counter() - started > budget_s)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def reduce_over_ranks(modes, device) -> None:
@@ -211,6 +225,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--progress", type=int, default=1000)
+    parser.add_argument("--budget-s", type=float, default=0,
+                        help="per mode: stop drawing calls after this many seconds (0: no limit); the ranks agree "
+                             "every %d calls, so a stage limit never kills a run that has results" % BUDGET_CHECK_EVERY)
     args = parser.parse_args()
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
