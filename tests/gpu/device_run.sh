@@ -87,6 +87,8 @@ for s in "$@"; do
     moe2fin) stage moe2fin-qwen3 "${LIMIT:-280}" env ARFUSION_FLASHINFER_MOE_FINALIZE=1 $TORCHRUN 2 \
         benchmarks/bench_hf_decode.py --model-type qwen3_moe --layers ${MOE_LAYERS:-8} --phases decode accuracy \
         --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --tag finalize --out "$OUT" ;;
+    # The MoE site as the pass emits it by default (compiled combine + fused site) against unfused, timed.
+    moesite2) stage moesite2 "${LIMIT:-200}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --no-finalize --out "$OUT/moe_site" ;;
     moecheck2) stage moecheck2 "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --out "$OUT/moe_combine" ;;
     # Where only one GPU is lent: the same correctness checks with both ranks on GPU 0 (gloo, no timings).
     moecheck1shared) stage moecheck1shared "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --shared-gpu \
