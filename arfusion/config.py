@@ -14,6 +14,7 @@ log = logging.getLogger("arfusion")
 BACKEND_CHOICES = ("auto", "flashinfer", "aiter", "torch")
 QUANT_FORMS = ("fp8_static", "fp8_dynamic", "fp8_group", "nvfp4")
 DISABLE_ENV = "ARFUSION_DISABLE"
+STRICT_ENV = "ARFUSION_STRICT"
 # Quantized all-reduce levels (payload format; arfusion/quantized_comm.py) and the env switch
 # that picks one where the config names none.
 QUANTIZED_LEVELS = ("fp8", "int8", "int6", "int4")
@@ -37,6 +38,12 @@ _ALIASES = {
 
 def env_disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() not in _OFF
+
+
+def env_strict() -> bool:
+    """ARFUSION_STRICT=1: an error inside the pass fails the compile instead of leaving the graph
+    unfused (for arfusion's own tests and for bug reports)."""
+    return os.environ.get(STRICT_ENV, "").strip().lower() not in _OFF
 
 
 def _per_world_mb(name: str, value: Mapping) -> dict[int, float]:

@@ -25,9 +25,9 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import backends, patterns, stats
 from .backends.base import Call, num_tokens
-from .config import PassConfig, env_disabled
+from .config import PassConfig, env_disabled, env_strict
 from .graph_utils import (ALL_REDUCE, REDUCE_SCATTER, dedupe_pure_nodes, has_fp8_casts,
-                          move_all_reduce_to_current_stream)
+                          move_all_reduce_to_current_stream, restore, snapshot)
 from .ops import current_stream_pays, group_size
 from .patterns.region import hinted_shape
 from .version import __version__
@@ -49,6 +49,7 @@ class ArFusionPass(CustomGraphPass):
 
     def __init__(self, config: PassConfig | None = None):
         self.config = config if config is not None else PassConfig(enable_allreduce_fusion=True)
+        self._graph_key = ""  # the graph being rewritten (its sites' prefix in stats)
 
     def uuid(self) -> str:
         # Everything that changes the rewrite: code, config, the opt-out, library versions.
@@ -58,11 +59,29 @@ class ArFusionPass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         started = time.perf_counter()
+        saved, self._graph_key = None, ""
         try:
+            if not env_strict() and any(n.target is ALL_REDUCE for n in graph.nodes):
+                saved = snapshot(graph)  # a bug of ours must cost the fusion, never the user's compile
             self._rewrite(graph)
+        except Exception as error:
+            if saved is None:
+                raise
+            self._give_up(graph, saved, error)
         finally:
             # What the pass adds to a cold compile (analysis + rewrite).
             stats.record_pass_seconds(time.perf_counter() - started)
+
+    def _give_up(self, graph: torch.fx.Graph, saved: torch.fx.Graph, error: Exception) -> None:
+        """The graph as it was before the pass (unfused, what Inductor alone would compile)."""
+        restore(graph, saved)
+        stats.forget_graph(self._graph_key)
+        left = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
+        reason = f"arfusion failed on this graph and left it as it was ({type(error).__name__}: {error})"
+        stats.record_graph(unfused=left, why_not=Counter({reason: left}))
+        log.warning("arfusion: %s; %d all_reduce left unfused. This is a bug in arfusion: please report it "
+                    "with the log at DEBUG (ARFUSION_STRICT=1 makes it fail the compile instead)", reason, left)
+        log.debug("arfusion: the error", exc_info=error)
 
     def _rewrite(self, graph: torch.fx.Graph) -> None:
         if not self.config.enable_allreduce_fusion:
@@ -85,7 +104,7 @@ class ArFusionPass(CustomGraphPass):
         if any(merged.values()):
             log.info("arfusion: %s", ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in merged.items() if v))
             all_reduces = [n for n in graph.nodes if n.target is ALL_REDUCE]
-        graph_key = uuid.uuid4().hex[:12]  # names this graph's sites in stats, cached or not
+        graph_key = self._graph_key = uuid.uuid4().hex[:12]  # names this graph's sites in stats, cached or not
         fused: Counter[str] = Counter()
         moved = 0
         for index, all_reduce in enumerate(all_reduces):

@@ -75,3 +75,27 @@ def move_all_reduce_to_current_stream(graph: torch.fx.Graph, all_reduce: torch.f
         graph.erase_node(w)
     graph.erase_node(all_reduce)
     return True
+
+
+def snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of the graph (node metadata copied one level deep), for `restore`."""
+    copy = torch.fx.Graph()
+    result, output = copy.graph_copy(graph, {}, return_output_node=True)
+    copy.output(result).meta = dict(output.meta)
+    return copy
+
+
+def restore(graph: torch.fx.Graph, saved: torch.fx.Graph) -> None:
+    """Puts `saved` (a `snapshot` of this graph) back in place, keeping the graph's own inputs:
+    Inductor lowers the graph object it handed to the pass, so its contents are replaced."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    saved_inputs = [n for n in saved.nodes if n.op == "placeholder"]
+    if [n.target for n in inputs] != [n.target for n in saved_inputs]:
+        raise RuntimeError("arfusion: the graph's inputs changed; it cannot be restored")
+    body = [n for n in graph.nodes if n.op != "placeholder"]
+    for node in body:  # unlink first: a failed rewrite may have left nodes in any order
+        node.args, node.kwargs = (), {}
+    for node in reversed(body):
+        graph.erase_node(node)
+    result, output = graph.graph_copy(saved, dict(zip(saved_inputs, inputs)), return_output_node=True)
+    graph.output(result).meta = dict(output.meta)

@@ -35,6 +35,16 @@ def record_site(key: str, name: str) -> None:
             _sites[key] = name
 
 
+def forget_graph(graph_key: str) -> None:
+    """Drops the sites recorded for one graph (the pass failed on it and put it back unfused)."""
+    if not graph_key:
+        return
+    with _lock:
+        for key in [k for k in _sites if k.startswith(f"{graph_key}:")]:
+            del _sites[key]
+        _moe_combines.difference_update({k for k in _moe_combines if k.startswith(f"{graph_key}:")})
+
+
 def record_moe_combine(key: str) -> None:
     """A fused site whose op also computes the MoE top-k combine (pass and op, as record_site)."""
     if key not in _moe_combines:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import arfusion
+from arfusion.config import STRICT_ENV
+
+# An error inside the pass fails the compile in our tests (users get an unfused graph and a
+# WARNING instead, tests/test_pass_safety.py); spawned ranks inherit it.
+os.environ.setdefault(STRICT_ENV, "1")
 
 
 @pytest.fixture
