@@ -53,3 +53,32 @@ def tp_kwargs(tp_plan: Any = "auto") -> dict:
     if _config_has_tp_plan(DistributedConfig) and _from_pretrained_accepts("distributed_config"):
         return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
     return {"tp_plan": tp_plan}
+
+
+# transformers <= 5.17 implements its `replicated_with_grad_allreduce` TP style (Qwen3's, Gemma 3's,
+# ... per-head q_norm / k_norm) with a module-level full backward hook that all-reduces the norm's
+# weight gradient. torch builds that hook's wrapper on every forward, under no_grad too, and Dynamo
+# breaks the graph there: every layer compiles in pieces and no all-reduce meets its norm (nothing
+# fuses). 5.23 uses parameter-level hooks, added only when grad is enabled, and compiles whole.
+_GRAD_ALLREDUCE_HOOK = ("transformers.distributed.tensor_parallel", "ReplicatedWithGradAllReduce.")
+
+
+def drop_grad_allreduce_hooks(model) -> int:
+    """Removes those gradient-only hooks from a model loaded for inference, so that torch.compile
+    sees whole graphs; returns how many it removed (0 on transformers versions without them).
+    Other backward hooks are left alone. Do not call it on a model you will train."""
+    import logging
+
+    dropped = 0
+    for module in model.modules():
+        for key, hook in list(module._backward_hooks.items()):
+            qualname = getattr(hook, "__qualname__", "")
+            if getattr(hook, "__module__", "") == _GRAD_ALLREDUCE_HOOK[0] and \
+                    qualname.startswith(_GRAD_ALLREDUCE_HOOK[1]):
+                del module._backward_hooks[key]
+                dropped += 1
+    if dropped:
+        logging.getLogger("arfusion").info(
+            "arfusion: removed %d gradient all-reduce backward hook(s) of transformers' replicated_with_grad_allreduce "
+            "TP style (inference only): Dynamo broke the graph at each", dropped)
+    return dropped

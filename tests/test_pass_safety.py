@@ -108,3 +108,41 @@ def test_restore_puts_back_every_node():
     gm.recompile()
     x, y = torch.randn(3), torch.randn(3)
     assert torch.equal(gm(x, y), f(x, y))
+
+
+def _gradient_all_reduce_hook(module, grad_input, grad_output):  # stands in for transformers <= 5.17's
+    pass
+
+
+# Named as transformers 5.17 names it (ReplicatedWithGradAllReduce.install_forward's local function).
+_gradient_all_reduce_hook.__module__ = "transformers.distributed.tensor_parallel"
+_gradient_all_reduce_hook.__qualname__ = "ReplicatedWithGradAllReduce.install_forward.<locals>._all_reduce_grads"
+
+
+def _users_hook(module, grad_input, grad_output):
+    pass
+
+
+def test_transformers_grad_allreduce_hooks_break_graphs_until_dropped(world_of_one):
+    """transformers <= 5.17 puts a full backward hook on per-head q/k norms; Dynamo breaks the
+    graph at each, so all-reduce and norm land in different graphs. drop_grad_allreduce_hooks
+    removes exactly those hooks (not a user's), and every site fuses again."""
+    from arfusion.hf import drop_grad_allreduce_hooks
+
+    model, x = TinyDecoder(hidden=64, layers=2), torch.randn(5, 64, dtype=torch.bfloat16)
+    for norm in model.norms[1:3]:
+        norm.register_full_backward_hook(_gradient_all_reduce_hook)
+    model.norms[4].register_full_backward_hook(_users_hook)
+    with torch.no_grad():
+        want = model(x)
+        _compiled(model)(x)
+        assert arfusion.stats()["fused_sites"] == 0  # Dynamo gave up on the layer loop: nothing fused
+
+        assert drop_grad_allreduce_hooks(model) == 2
+        assert [len(n._backward_hooks) for n in model.norms] == [0, 0, 0, 0, 1]  # the user's hook stays
+        model.norms[4]._backward_hooks.clear()  # (it breaks graphs too; not ours to remove)
+        torch._dynamo.reset()
+        arfusion.reset_stats()
+        got = _compiled(model)(x)
+    assert arfusion.stats()["fused_sites"] == 5
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
