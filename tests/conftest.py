@@ -17,6 +17,14 @@ os.environ.setdefault(STRICT_ENV, "1")
 
 
 @pytest.fixture
+def world_of_one(tmp_path):
+    """A real gloo world of one process (collectives compute); yields the group's name."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def fake_pg():
     """A single-process stand-in for a world of 2: graphs compile, collectives do not compute."""
     from torch.testing._internal.distributed.fake_pg import FakeStore

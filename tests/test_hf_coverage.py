@@ -173,13 +173,6 @@ class Toy(torch.nn.Module):
         return a + b + c + d + e + f + g + h + i + j + k + self.n[5](x)  # n[5]: no all-reduce
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_counter_labels_each_shape(world_of_one):
     model = Toy()
     kinds = classify_norms(model, 16)

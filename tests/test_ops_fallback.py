@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from arfusion import ops, reference
 from arfusion.backends.base import Site
 
 SITE = Site(residual=True, norm="rms", quant="fp8_dynamic", emit_norm=True)
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
 
 
 def declined_call(group_name, x, res, w):

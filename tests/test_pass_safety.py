@@ -8,7 +8,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import arfusion
 from arfusion import patterns
@@ -16,13 +15,6 @@ from arfusion.config import STRICT_ENV
 from arfusion.graph_utils import restore, snapshot
 
 from .models import TinyDecoder
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _fail_on_second_rewrite(monkeypatch):
