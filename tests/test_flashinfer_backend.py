@@ -60,7 +60,27 @@ def install_fake_flashinfer():
         return m
 
     root, comm, trtllm = module("flashinfer"), module("flashinfer.comm"), module("flashinfer.comm.trtllm_ar")
-    root.comm, comm.trtllm_ar = comm, trtllm
+    mnnvl = module("flashinfer.comm.mnnvl")
+    root.comm, comm.trtllm_ar, comm.mnnvl = comm, trtllm, mnnvl
+
+    class TorchDistBackend:  # FlashInfer's handle-exchange backend: object collectives over the group
+        def __init__(self, group=None):
+            self._group = group
+
+        def allgather(self, data):
+            out = [None] * dist.get_world_size(self._group)
+            dist.all_gather_object(out, data, group=self._group)
+            return out
+
+        def bcast(self, data, root):
+            box = [data]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, root), group=self._group)
+            return box[0]
+
+        def barrier(self):
+            dist.barrier(group=self._group)
+
+    mnnvl.TorchDistBackend = TorchDistBackend
 
     def get_trtllm_comm_module():
         calls["build"] += 1
@@ -72,6 +92,9 @@ def install_fake_flashinfer():
         calls["create"].append({k: (v.group_name if k == "group" else v) for k, v in kw.items()})
         if calls["fail_create"]:
             raise RuntimeError("cuMemCreate failed")
+        # As the real one: the buffers' handles are exchanged over the group (the peers of a rank
+        # that failed above wait here).
+        (kw.get("comm_backend") or TorchDistBackend(kw["group"])).allgather(("handle", kw["rank"]))
         return FakeWorkspace(kw["world_size"], kw["rank"], kw["max_token_num"], kw["hidden_dim"],
                              kw["dtype"], kw["group"])
 
@@ -160,7 +183,7 @@ B200 = fi.DeviceFacts((10, 0), "NVIDIA B200", "GPU-fake-0")
 
 
 def remove_fake_flashinfer():
-    for name in ("flashinfer.comm.trtllm_ar", "flashinfer.comm", "flashinfer"):
+    for name in ("flashinfer.comm.trtllm_ar", "flashinfer.comm.mnnvl", "flashinfer.comm", "flashinfer"):
         sys.modules.pop(name, None)
 
 
@@ -352,6 +375,7 @@ def _worker(rank, world, init_file, out_dir):
     from arfusion.backends import get_backend
 
     backend = get_backend("flashinfer")
+    dispatch.WORKSPACE_EXCHANGE_TIMEOUT_S = 3.0  # fail_create: rank 0 gives up on rank 1 quickly
     # Let the real op run this backend on CPU tensors.
     backend.capabilities = replace(backend.capabilities, device_types=frozenset({"cpu"}))
     backend.unavailable = lambda device: None
@@ -508,8 +532,10 @@ def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
         assert result["group"] != "0"
     if name in ("fail_build", "low_memory"):
         assert all(r["creates"] == [] for r in results)  # agreement came before creation
-    else:
-        assert len(results[0]["creates"]) == 1  # rank 0 created, then dropped it with everyone
+    else:  # rank 1 raised inside FlashInfer's creation; rank 0, in the handle exchange, gave up on it
+        assert len(results[0]["creates"]) == 1
+        assert "did not reach FlashInfer's handle exchange" in results[0]["failed"], results[0]["failed"]
+        assert "cuMemCreate failed" in results[1]["failed"]
     if name == "low_memory":
         assert "MiB free on this rank's GPU" in results[1]["failed"], results[1]["failed"]
         assert results[0]["failed"] == "FlashInfer kernels or memory unavailable on another rank of the group"

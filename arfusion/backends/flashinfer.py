@@ -38,6 +38,7 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -260,7 +261,8 @@ class FlashInferBackend(Backend):
             fic = importlib.import_module("flashinfer.comm")
             workspace = fic.create_allreduce_fusion_workspace(
                 backend=FI_BACKEND, world_size=group.size(), rank=group.rank(),
-                max_token_num=max_tokens, hidden_dim=call.hidden, dtype=call.dtype, group=group)
+                max_token_num=max_tokens, hidden_dim=call.hidden, dtype=call.dtype, group=group,
+                comm_backend=_exchange_backend(group, call.group_name))
         except Exception as e:  # reported below, after every rank has said how it went
             error = f"{type(e).__name__}: {e}"
         if not all_ranks_agree(error is None, group, comm_device):
@@ -501,6 +503,60 @@ def _environment_problem(index: int) -> str | None:
     if facts.sm[0] not in dispatch.SUPPORTED_SM_MAJORS:
         return f"{facts.name} (SM {facts.sm[0]}.{facts.sm[1]}) is not supported"
     return None
+
+
+_exchanges: dict[str, int] = {}  # workspace creations per group name: the same count on every rank
+
+
+def _guarded_backend_class():
+    """FlashInfer's TorchDistBackend with an arrival check before each collective (see
+    dispatch.WORKSPACE_EXCHANGE_TIMEOUT_S); None where FlashInfer has no such class."""
+    try:
+        base = importlib.import_module("flashinfer.comm.mnnvl").TorchDistBackend
+    except (ImportError, AttributeError):
+        return None
+
+    class ArrivalCheckedBackend(base):
+        def __init__(self, group, prefix: str):
+            super().__init__(group=group)
+            self._rank, self._size = group.rank(), group.size()
+            self._prefix, self._steps = prefix, 0
+            self._store = dist.distributed_c10d._get_default_store()
+
+        def _arrive(self) -> None:
+            """Every rank of the group has reached this collective, or raise after the timeout
+            (a peer failed before it: better an error here than a wait in the collective)."""
+            self._steps += 1
+            key = f"{self._prefix}/{self._steps}"
+            self._store.set(f"{key}/{self._rank}", b"1")
+            try:
+                self._store.wait([f"{key}/{r}" for r in range(self._size)],
+                                 timedelta(seconds=dispatch.WORKSPACE_EXCHANGE_TIMEOUT_S))
+            except Exception as e:
+                raise RuntimeError(f"a peer did not reach FlashInfer's handle exchange within "
+                                   f"{dispatch.WORKSPACE_EXCHANGE_TIMEOUT_S:.0f} s (it failed before): {e}") from e
+
+        def allgather(self, data):
+            self._arrive()
+            return super().allgather(data)
+
+        def bcast(self, data, root):
+            self._arrive()
+            return super().bcast(data, root)
+
+        def barrier(self):
+            self._arrive()
+            return super().barrier()
+
+    return ArrivalCheckedBackend
+
+
+def _exchange_backend(group, group_name: str):
+    cls = _guarded_backend_class()
+    if cls is None:
+        return None
+    _exchanges[group_name] = _exchanges.get(group_name, 0) + 1
+    return cls(group, f"arfusion/flashinfer-exchange/{group_name}/{_exchanges[group_name]}")
 
 
 def _build_kernels() -> str | None:

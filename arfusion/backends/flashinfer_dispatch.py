@@ -44,6 +44,14 @@ def workspace_bytes_bound(world: int, max_tokens: int, hidden: int) -> int:
     return 4 * 4 * world * max_tokens * hidden + WORKSPACE_MARGIN_BYTES
 
 
+# FlashInfer's creation exchanges the buffers' handles with all_gather_object over the group: a rank
+# that raised before reaching it (inside FlashInfer, where no pre-check sees) leaves its peers there
+# until the group's own timeout (NCCL's watchdog then aborts the process). Each of those collectives
+# is preceded by an arrival check through the store that gives up after this long: the ranks have
+# just agreed to create (one collective before), and creation takes 0.2-5 s on H200.
+WORKSPACE_EXCHANGE_TIMEOUT_S = 60.0
+
+
 @dataclass(frozen=True)
 class Limits:
     """Per-rank input bytes: fuse while <= max_fused_bytes (inclusive); one-shot while

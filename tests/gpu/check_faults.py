@@ -11,10 +11,12 @@ One case per launch (a fresh pair of processes each, as a restarted job would be
   fail_build   FlashInfer's kernels fail to build on rank 1 only: both ranks run unfused, correct;
   low_memory   rank 1's GPU reports no free memory for the workspace: both unfused, correct, no hang
                (the ranks agree on it before anyone allocates);
-  fail_create  FlashInfer's workspace creation raises at its start on rank 1 only. Known to HANG:
-               rank 0 waits in the creation's symmetric-memory rendezvous for rank 1, which never
-               comes (seen on an H100, both ranks on it); not in device_run.sh's default list. The
-               realistic cause, a rank without memory for it, is caught before (low_memory).
+  fail_create  FlashInfer's workspace creation raises at its start on rank 1 only. It HUNG on an
+               H100 (both ranks on it): rank 0 waited in the creation's handle exchange for rank 1.
+               Expected now: rank 0 gives up after WORKSPACE_EXCHANGE_TIMEOUT_S (60 s) and both
+               run unfused, correct; not yet run on GPUs, so not in device_run.sh's default list
+               (FAULT_CASES=fail_create). The realistic cause, a rank without memory for it, is
+               caught before (low_memory).
 The tests/test_faults.py and tests/test_flashinfer_backend.py CPU tests cover the same paths with
 a stand-in; this runs the real library. Writes DIR/CASE/rank<r>.json; exits non-zero if a rank's
 result is wrong or not dispatched as expected.

@@ -146,8 +146,8 @@ for s in "$@"; do
         stage "faults1shared-$c" "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_faults.py --shared-gpu --case $c \
           --cache /tmp/arfusion-fault-cache --out "$OUT/faults_shared_gpu"
       done ;;
-    faults2)  # the same on two GPUs (NCCL)
-      for c in cold warm fail_build low_memory; do
+    faults2)  # the same on two GPUs (NCCL); FAULT_CASES=fail_create for the handle-exchange timeout
+      for c in ${FAULT_CASES:-cold warm fail_build low_memory}; do
         stage "faults2-$c" "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_faults.py --case $c \
           --cache /tmp/arfusion-fault-cache2 --out "$OUT/faults"
       done ;;
