@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from typing import Any
+
+log = logging.getLogger("arfusion")
 
 
 def _config_has_tp_plan(config_cls: type) -> bool:
@@ -67,8 +70,6 @@ def drop_grad_allreduce_hooks(model) -> int:
     """Removes those gradient-only hooks from a model loaded for inference, so that torch.compile
     sees whole graphs; returns how many it removed (0 on transformers versions without them).
     Other backward hooks are left alone. Do not call it on a model you will train."""
-    import logging
-
     dropped = 0
     for module in model.modules():
         for key, hook in list(module._backward_hooks.items()):
@@ -78,7 +79,7 @@ def drop_grad_allreduce_hooks(model) -> int:
                 del module._backward_hooks[key]
                 dropped += 1
     if dropped:
-        logging.getLogger("arfusion").info(
+        log.info(
             "arfusion: removed %d gradient all-reduce backward hook(s) of transformers' replicated_with_grad_allreduce "
             "TP style (inference only): Dynamo broke the graph at each", dropped)
     return dropped
