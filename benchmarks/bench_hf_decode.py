@@ -58,7 +58,7 @@ import torch._dynamo.utils
 import arfusion
 from arfusion.backends import get_backend
 from arfusion.config import QUANTIZED_LEVELS
-from arfusion.hf import drop_grad_allreduce_hooks, tp_kwargs
+from arfusion.hf import prepare_for_compile, tp_kwargs
 
 # Real models' shapes (random weights): Llama-3-8B, Qwen3-8B, Gemma-7B, Qwen3-30B-A3B, DeepSeek-V2-Lite.
 PRESETS = {
@@ -191,7 +191,7 @@ class Bench:
         t0 = time.perf_counter()
         path = self.checkpoint = random_checkpoint(self.config, self.device, self.args.ckpt_dir, self.args.init)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **tp_kwargs("auto")).eval()
-        drop_grad_allreduce_hooks(self.model)  # transformers <= 5.17: graph breaks at every q/k norm
+        prepare_for_compile(self.model)  # graph breaks in HF code: q/k norm hooks (<= 5.17), looped experts
         c = self.config
         self.result["meta"] = {
             "model_type": c.model_type, "layers": c.num_hidden_layers, "hidden": c.hidden_size,

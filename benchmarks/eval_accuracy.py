@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 import arfusion
-from arfusion.hf import drop_grad_allreduce_hooks, tp_kwargs
+from arfusion.hf import prepare_for_compile, tp_kwargs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_tiny_llama import encode_stream, heldout_split, read_texts, windows  # noqa: E402
@@ -153,7 +153,7 @@ def evaluate(args) -> dict:
         raise SystemExit("no held-out text: lower --seq-len")
     ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **tp_kwargs("auto")).eval()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, **tp_kwargs("auto")).eval()
-    drop_grad_allreduce_hooks(model)  # transformers <= 5.17: graph breaks at every q/k norm
+    prepare_for_compile(model)  # graph breaks in HF code: q/k norm hooks (<= 5.17), looped experts
     c = model.config
     say(f"{args.model}: {c.model_type}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}; "
         f"TP={world} on {torch.cuda.get_device_name() if cuda else 'cpu'}; {data.shape[0]} held-out windows of "

@@ -177,7 +177,7 @@ class Worker:
         if os.environ.get("HF_COVERAGE_TEST_HANG") == model_type and self.rank == 1:
             time.sleep(10**6)  # tests: a rank that hangs (rank 0 then waits in the next collective)
         import arfusion
-        from arfusion.hf import drop_grad_allreduce_hooks, tp_kwargs
+        from arfusion.hf import prepare_for_compile, tp_kwargs
         from transformers import AutoModelForCausalLM
 
         sys.path.insert(0, str(HERE))
@@ -210,7 +210,7 @@ class Worker:
             model, ok = self.step(row, "load", lambda: AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.bfloat16, **tp_kwargs("auto")).eval())
             if ok:
-                drop_grad_allreduce_hooks(model)  # transformers <= 5.17: graph breaks at every q/k norm
+                prepare_for_compile(model)  # graph breaks in HF code: q/k norm hooks (<= 5.17), looped experts
         finally:
             dist.barrier()
             if self.rank == 0:

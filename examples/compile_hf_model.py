@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import arfusion
-from arfusion.hf import drop_grad_allreduce_hooks, tp_kwargs
+from arfusion.hf import prepare_for_compile, tp_kwargs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -135,7 +135,7 @@ def main() -> None:
     config = tiny_config(args.model_type, args.layers, args.hidden, world)
     path = save_random_model(config, dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **tp_kwargs("auto")).eval()
-    drop_grad_allreduce_hooks(model)  # inference: transformers <= 5.17 breaks the graph at every q/k norm
+    prepare_for_compile(model)  # inference: removes graph breaks in HF model code (q/k norm hooks, looped experts)
     dist.barrier()  # every rank has loaded it: the random checkpoint is not needed any more
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)

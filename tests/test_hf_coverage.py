@@ -1,7 +1,7 @@
 """benchmarks/hf_coverage.py: the HF architecture sweep on a few fast architectures, and its
 independent site counter (benchmarks/hf_site_counter.py) on hand-written chains.
 
-The sweep test runs 4 architectures on 2 gloo ranks (about 80 s on a 2-core CPU).
+The sweep test runs 5 architectures on 2 gloo ranks (about 110 s on a 2-core CPU).
 """
 
 from __future__ import annotations
@@ -24,17 +24,21 @@ import hf_coverage  # noqa: E402
 from hf_site_counter import SiteCounter, classify_norms, norm_kind  # noqa: E402
 
 LAYERS = 2
-SWEEP = ("llama", "olmo2", "qwen3_moe", "granite")
+SWEEP = ("llama", "olmo2", "qwen3_moe", "granite", "longcat_flash")
 # What the independent counter finds in the eager models (2 layers).
 EXPECTED_SITES = {
     "llama": 2 * LAYERS + 1,      # embedding AR -> norm, then AR + residual -> norm per block
     "qwen3_moe": 2 * LAYERS + 1,  # the MoE all-reduce reaches the add through a view
     "olmo2": 2 * LAYERS,          # post-norms: AR -> norm (no residual in between)
     "granite": 2 * LAYERS + 1,    # residual_multiplier (0.22, as released) scales every all-reduce before the add
+    # two sublayers per layer: the embedding AR, then attention and dense-MLP ARs + residual; the
+    # shortcut MoE's AR and the second MLP's are summed with the residual ("ar+ar+add", not counted)
+    "longcat_flash": 1 + 3 * LAYERS,
 }
 # Every site the counter finds is fused: OLMo2 multiplies the weight in fp32 with one cast,
 # Qwen3-MoE views the all-reduced rows before the add; Granite's multipliers go into the op.
-EXPECTED_FUSED = EXPECTED_SITES
+# LongCat-Flash: plus the two "ar+ar+add" ends, each one all-reduce once merged.
+EXPECTED_FUSED = {**EXPECTED_SITES, "longcat_flash": 1 + 4 * LAYERS}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +47,7 @@ def sweep(tmp_path_factory):
     md, js = out / "coverage.md", out / "coverage.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "hf_coverage.py"), "--only", ",".join(SWEEP),
            "--md", str(md), "--json", str(js), "--log", str(out / "ranks.log"), "--quiet", "--timeout", "150"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(js.read_text())
     return {"md": md.read_text(), "rows": {r["model_type"]: r for r in data["rows"]}, "data": data,
@@ -72,6 +76,16 @@ def test_counter_sees_the_lookalikes(sweep):
     assert rows["llama"]["counter"]["site_labels"] == {"ar": 1, "ar+add": 2 * LAYERS}
 
 
+def test_looped_experts_compile_whole_and_their_sums_merge(sweep):
+    """LongCat-Flash's experts loop over the experts hit (a graph break per MoE layer) until
+    arfusion.hf.prepare_for_compile gives them the loop-free forward: one graph, each layer's
+    residual + AR(mlp) + AR(shortcut MoE) one all-reduce, the top-k combine fused into it."""
+    row = sweep["rows"]["longcat_flash"]
+    assert row["graphs"] == 1 and not row["why_not"], row
+    assert row["rewrites"] == {"summed_all_reduces_merged": LAYERS, "moe_combines_fused": LAYERS}, row
+    assert row["counter"]["other_shapes"] == {"ar+ar+add": LAYERS}, row["counter"]
+
+
 @pytest.mark.parametrize("model_type", SWEEP)
 def test_fused_counts(sweep, model_type):
     row = sweep["rows"][model_type]
@@ -92,7 +106,7 @@ def test_table_rows_and_summary(sweep):
         assert len(cells) == 8, line
         assert cells[1].isdigit() and cells[2].isdigit(), line
         assert re.fullmatch(r"\d\.\de[+-]\d\d", cells[5]) and re.fullmatch(r"\d\.\de[+-]\d\d", cells[6]), line
-    assert re.search(r"\*\*4 architectures, \d+ sites \(counter\), \d+ fused, \d+ fully fused\*\*", md)
+    assert re.search(r"\*\*5 architectures, \d+ sites \(counter\), \d+ fused, \d+ fully fused\*\*", md)
     assert "## How the counter works" in md
     assert hf_coverage.table_row(sweep["rows"]["llama"]) in md
 

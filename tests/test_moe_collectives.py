@@ -25,9 +25,11 @@ E = 4
 class RoutedPlusShared(nn.Module):
     """DeepSeek-style end of an MoE layer (`terms` all-reduced outputs summed, then the residual)."""
 
-    def __init__(self, terms=2, dtype=torch.bfloat16, groups=None, shared_read_elsewhere=False, widen=False):
+    def __init__(self, terms=2, dtype=torch.bfloat16, groups=None, shared_read_elsewhere=False, widen=False,
+                 residual_first=False):
         super().__init__()
         self.widen = widen  # HY-V3: (routed.float() + shared.float()).to(dtype)
+        self.residual_first = residual_first  # LongCat-Flash: residual + mlp_out + shortcut_moe_out
         self.experts = nn.ModuleList(nn.Linear(H, H, bias=False, dtype=dtype) for _ in range(terms))
         self.weight = nn.Parameter(1 + 0.1 * torch.randn(H, dtype=dtype))
         self.groups = groups or [None] * terms
@@ -41,7 +43,7 @@ class RoutedPlusShared(nn.Module):
             y = y.view(x.shape)
             outs.append(y)
             total = y if total is None else (total.float() + y.float()).to(y.dtype) if self.widen else total + y
-        h = residual + total
+        h = residual + outs[1] + outs[0] if self.residual_first else residual + total
         normed = NORMS["hf_llama"][0](h, self.weight, 1e-6)
         return (normed, h, outs[1] * 2) if self.shared_read_elsewhere else (normed, h)
 
@@ -159,6 +161,48 @@ def test_routed_plus_shared_becomes_one_all_reduce_and_fuses(fake_pg):
     assert_matches_eager(actual, expected)
 
 
+def test_a_residual_added_between_two_all_reduces_becomes_one_all_reduce(fake_pg):
+    """LongCat-Flash: (residual + AR(mlp)) + AR(moe) -> residual + AR(mlp + moe), one all-reduce
+    fewer; the two sums are taken in another order, so within their rounding."""
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(RoutedPlusShared(residual_first=True))
+    assert left == 0 and len(fused) == 1 and fused[0][1] is not None
+    assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
+    for a, e in zip(actual, expected):
+        assert_close(a, e, torch.bfloat16, "residual first")
+
+
+def test_a_residual_first_sum_on_two_groups_is_left_as_it_was():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        groups = [dist.new_group([0, 1]), dist.new_group([0, 1, 2, 3])]
+        fused, left, actual, expected, stats = run(RoutedPlusShared(groups=groups, residual_first=True))
+        assert stats["summed_all_reduces_merged"] == 0 and left + len(fused) == 2
+        assert_matches_eager(actual, expected)  # the adds kept their order: the same bits
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_residual_first_sum_that_does_not_merge_keeps_its_order(fake_pg, monkeypatch):
+    """Regrouped, then the merge declines (as it does for a size it cannot name): the adds are put
+    back in the model's order and the routed all-reduce's site fuses as it would have."""
+    from arfusion.patterns import collectives
+
+    regrouped = []  # sums of two all-reduced terms: only the regrouping makes one in this model
+
+    def decline(graph, add):
+        regrouped.append(all(isinstance(a, torch.fx.Node) and collectives._term(a) is not None for a in add.args))
+        return None
+
+    monkeypatch.setattr(collectives, "_merge_sum_of_two", decline)
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(RoutedPlusShared(residual_first=True))
+    assert any(regrouped) and stats["summed_all_reduces_merged"] == 0 and left + len(fused) == 2
+    assert_matches_eager(actual, expected)
+
+
 def test_a_sum_taken_in_fp32_and_cast_back_becomes_one_all_reduce(fake_pg):
     """HY-V3: (AR(routed).float() + AR(shared).float()).to(bf16) -> AR((routed.float() +
     shared.float()).to(bf16)): the same sum and rounding, per rank, before the reduction."""
@@ -219,7 +263,8 @@ def _tensor_parallel_gated_expert(rank):
 
 def _moe_ends(rank, dynamic):
     torch.manual_seed(0)  # same weights on every rank
-    models = [RoutedPlusShared(), RoutedPlusShared(terms=3), RoutedPlusShared(widen=True), ExpertRowsSummed(),
+    models = [RoutedPlusShared(), RoutedPlusShared(terms=3), RoutedPlusShared(widen=True),
+              RoutedPlusShared(residual_first=True), ExpertRowsSummed(),
               ExpertRowsSummed(sum_dtype=torch.float32), ReplicatedSharedExpert(),
               ReplicatedSharedExpert(sum_scale=0.22), ReplicatedSharedExpert(sum_scale=("view first", 0.22))]
     torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters

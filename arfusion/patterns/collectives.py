@@ -149,6 +149,45 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     return "gated" if gated else "plain"
 
 
+def _merge_residual_first(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
+    """(r + AR(a)) + AR(b), either order in either add -> r + AR(a + b) (LongCat-Flash's
+    `residual + mlp_out + shortcut_moe_out`): regrouped as r + (AR(a) + AR(b)), merged by
+    `_merge_sum_of_two`, or the graph left as it was where that does not merge. Only with r not
+    all-reduced, all three of the sum's shape and dtype, and the inner add read by the outer alone.
+    The regrouping moves one rounding, as the merge itself does (docs/patterns.md)."""
+    if not is_add(add):
+        return None
+    for i, inner in enumerate(add.args):
+        last = add.args[1 - i]
+        if not is_add(inner) or list(inner.users) != [add] or _term(last) is None:
+            continue
+        for j, first in enumerate(inner.args):
+            residual = inner.args[1 - j]
+            terms = (_term(first), _term(last))
+            if terms[0] is None or _term(residual) is not None or terms[0].all_reduce is terms[1].all_reduce \
+                    or terms[0].all_reduce.args[2] != terms[1].all_reduce.args[2]:
+                continue
+            if not all(same_shape(n, add) and value(n).dtype == value(add).dtype for n in (first, last, residual)):
+                continue
+            inner_args, outer_args = inner.args, add.args
+            build = Builder(graph, add)
+            pair = build.call(aten.add.Tensor, first, last)
+            total = build.call(aten.add.Tensor, residual, pair)
+            add.replace_all_uses_with(total)
+            graph.erase_node(add)  # before the merge, which erases the terms' chains once unread
+            graph.erase_node(inner)
+            merged = _merge_sum_of_two(graph, pair)
+            if merged is None:  # e.g. a symbolic size the reshape cannot name: as it was, same order
+                build = Builder(graph, total)
+                outer = list(outer_args)
+                outer[i] = build.call(aten.add.Tensor, *inner_args)
+                total.replace_all_uses_with(build.call(aten.add.Tensor, *outer))
+                graph.erase_node(total)
+                graph.erase_node(pair)
+            return merged
+    return None
+
+
 def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float | torch.fx.Node,
                                                     list[torch.fx.Node]] | None:
     """`wait(all_reduce(x)) [regroupings] * f` with f a number other than 1 (Granite's residual and
@@ -312,7 +351,7 @@ def merge(graph: torch.fx.Graph) -> dict[str, int]:
         for node in list(graph.nodes):
             if node._erased:  # by an earlier rewrite of this sweep
                 continue
-            if merged := _merge_sum_of_two(graph, node):
+            if merged := _merge_sum_of_two(graph, node) or _merge_residual_first(graph, node):
                 done["summed_all_reduces_merged"] += 1
                 done["gated_all_reduces_merged"] += merged == "gated"
                 changed = True
