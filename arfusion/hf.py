@@ -102,7 +102,11 @@ def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 
 def _grouped_mm_works(like: torch.Tensor) -> bool:
-    """The loop-free forward needs a grouped GEMM for the weights' device and dtype (CUDA: SM90+)."""
+    """The loop-free forward needs a grouped GEMM for the weights' device and dtype: bf16 only
+    (torch 2.11-2.13's fake kernel, which torch.compile traces with, refuses other dtypes even
+    where eager takes them), CUDA SM90+ or CPU."""
+    if like.dtype != torch.bfloat16:
+        return False
     try:
         x = torch.ones(16, 16, device=like.device, dtype=like.dtype)
         w = torch.ones(1, 16, 16, device=like.device, dtype=like.dtype)

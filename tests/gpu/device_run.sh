@@ -142,7 +142,7 @@ for s in "$@"; do
       done
       wait; tail -n 12 "$OUT"/jobs1shared_a.log "$OUT"/jobs1shared_b.log ;;
     faults1shared)  # issue 15's faults with the real FlashInfer: a cache hit in fresh processes, a rank failing
-      for c in cold warm fail_build low_memory; do
+      for c in ${FAULT_CASES:-cold warm fail_build low_memory}; do
         stage "faults1shared-$c" "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_faults.py --shared-gpu --case $c \
           --cache /tmp/arfusion-fault-cache --out "$OUT/faults_shared_gpu"
       done ;;
@@ -151,6 +151,11 @@ for s in "$@"; do
         stage "faults2-$c" "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_faults.py --case $c \
           --cache /tmp/arfusion-fault-cache2 --out "$OUT/faults"
       done ;;
+    loopfree1)  # LongCat-Flash's experts without their loop: numerics, whole-graph compile, CUDA graphs, time
+      stage loopfree1 "${LIMIT:-300}" python tests/gpu/check_loop_free_experts.py --out "$OUT/loop_free" ;;
+    loopfree1shared)  # the same model at TP=2 through the pass with FlashInfer (one GPU, two ranks)
+      stage loopfree1shared "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_loop_free_experts.py --shared-gpu \
+        --out "$OUT/loop_free" ;;
     acc1shared)  # after trainacc1 (or train1) wrote /tmp/ckpt-acc
       stage acc1shared "${LIMIT:-300}" $TORCHRUN 2 benchmarks/eval_accuracy.py --model /tmp/ckpt-acc --shared-gpu \
         --seqs ${SEQS:-32} --out "$OUT/acc_shared_gpu" --configs eager compiled arfusion_exact ;;
