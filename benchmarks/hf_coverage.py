@@ -538,7 +538,9 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
     w(f"- torch {meta['torch']}, transformers {meta['transformers']}, arfusion {meta['arfusion']} "
       f"(commit {meta['commit']})\n")
     w(f"- machine: {meta['machine']}; TP=2 on gloo, bf16, random weights, 2 layers, hidden 128, "
-      f"1 × {TOKENS} tokens\n")
+      f"1 × {TOKENS} tokens; each model loaded with `tp_plan=\"auto\"`, then "
+      "`arfusion.hf.prepare_for_compile(model)` as the README asks of users (it removes graph "
+      "breaks in transformers' own code: looped experts, q/k-norm gradient hooks)\n")
     w("- columns: *sites* = all-reduce [views] [+ residual] → RMSNorm calls counted in the eager "
       "model (see below); *fused* = `arfusion.stats()['fused_sites']` with "
       "`PassConfig(enable_allreduce_fusion=True, backend=\"torch\")`; *all-reduces rewritten* = MoE "

@@ -298,9 +298,9 @@ class Classifier:
                                    f"({'; '.join(enc.region.hints)})")
             if any(u.op == "output" for n in enc.nodes[:self.region_size] for u in n.users):
                 return Plan(reason="no norm reads the all-reduced value in this graph, which returns it "
-                                   "(after a graph break, the next norm is compiled in another graph; on "
-                                   "transformers <= 5.17, arfusion.hf.drop_grad_allreduce_hooks(model) removes "
-                                   "the hooks that break graphs at per-head q/k norms)")
+                                   "(after a graph break, the next norm is compiled in another graph; "
+                                   "arfusion.hf.prepare_for_compile(model) removes the graph breaks of "
+                                   "transformers' own code: looped experts, q/k-norm hooks on <= 5.17)")
             return Plan(reason="no RMSNorm over the hidden dim reads the all-reduced value")
         reasons = []
         for i in candidates:
