@@ -101,18 +101,25 @@ def _grouped_mm(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return (getattr(F, "grouped_mm", None) or torch._grouped_mm)(rows, weight, offs=offsets)
 
 
-def _grouped_mm_works(like: torch.Tensor) -> bool:
-    """The loop-free forward needs a grouped GEMM for the weights' device and dtype: bf16 only
-    (torch 2.11-2.13's fake kernel, which torch.compile traces with, refuses other dtypes even
-    where eager takes them), CUDA SM90+ or CPU."""
-    if like.dtype != torch.bfloat16:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a TP-sharded DTensor parameter
+
+
+def _grouped_mm_works(experts) -> bool:
+    """The loop-free forward needs a grouped GEMM for these weights as they are (dtype, device,
+    shard shapes and strides): bf16 only (torch 2.11-2.13's fake kernel, which torch.compile
+    traces with, refuses other dtypes even where eager takes them), CUDA SM90+ or CPU, sizes the
+    kernel aligns. Tried once on 16 tokens through both projections of the first expert."""
+    gate_up, down = _local(experts.gate_up_proj), _local(experts.down_proj)
+    if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16:
         return False
     try:
-        x = torch.ones(16, 16, device=like.device, dtype=like.dtype)
-        w = torch.ones(1, 16, 16, device=like.device, dtype=like.dtype)
-        offsets = torch.tensor([16], device=like.device, dtype=torch.int32)
-        return bool(_grouped_mm(x, w, offsets)[0, 0].item() == 16)
-    except (RuntimeError, AttributeError, NotImplementedError):
+        offsets = torch.tensor([16], device=gate_up.device, dtype=torch.int32)
+        x = torch.zeros(16, gate_up.shape[-1], device=gate_up.device, dtype=gate_up.dtype)
+        h = _grouped_mm(x, gate_up[:1].transpose(-2, -1), offsets)
+        out = _grouped_mm(h[:, :down.shape[-1]].contiguous(), down[:1].transpose(-2, -1), offsets)
+        return tuple(out.shape) == (16, down.shape[1])
+    except (RuntimeError, AttributeError, NotImplementedError, ValueError):
         return False
 
 
@@ -179,10 +186,10 @@ def loop_free_experts(model) -> int:
     for module in model.modules():
         if not all(hasattr(module, a) for a in _LOOPED_EXPERTS_ATTRS):
             continue
-        weight = module.gate_up_proj if module.gate_up_proj is not None else None
-        if weight is not None and not _grouped_mm_works(weight):
-            log.info("arfusion: %s keeps its looped forward: no grouped GEMM for %s on %s",
-                     type(module).__name__, weight.dtype, weight.device)
+        if module.gate_up_proj is not None and not _grouped_mm_works(module):
+            log.info("arfusion: %s keeps its looped forward: no grouped GEMM for its %s weights %s on %s",
+                     type(module).__name__, module.gate_up_proj.dtype, tuple(_local(module.gate_up_proj).shape),
+                     module.gate_up_proj.device)
             continue
         if not _replace_innermost_forward(module, _loop_free_experts_forward):
             log.info("arfusion: %s keeps its looped forward: its forward is wrapped in a way arfusion does not know",

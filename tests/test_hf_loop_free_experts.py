@@ -141,3 +141,13 @@ def test_an_unknown_wrapper_is_left_alone(caplog):
     with caplog.at_level("INFO", logger="arfusion"):
         assert hf.loop_free_experts(model) == 0
     assert "keeps its looped forward" in caplog.text
+
+
+def test_weights_without_a_grouped_gemm_keep_the_loop(caplog):
+    """fp32 weights: torch's grouped GEMM (as torch.compile traces it) takes bf16 only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config("longcat_flash"), dtype=torch.float32).eval()
+    with caplog.at_level("INFO", logger="arfusion"):
+        assert hf.loop_free_experts(model) == 0
+    assert "no grouped GEMM for its torch.float32 weights" in caplog.text
