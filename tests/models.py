@@ -141,3 +141,18 @@ class NormThenQuant(RowParallelThenNorm):
         else:
             outs = quant_group(normed)
         return (*outs, h, normed) if self.keep_norm else (*outs, h)
+
+
+def experts_sum_float64(experts, x, index, weights):
+    """LongCat-Flash's experts' top-k sum in float64, token by token: routed experts (SiLU-gated
+    MLPs from the stacked weights), identity experts passing the token, each weighted."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for k, e in enumerate(index[t].tolist()):
+            row = x[t].double()
+            if e < experts.num_routed_experts:
+                gate, up = (experts.gate_up_proj[e].double() @ row).chunk(2)
+                row = experts.down_proj[e].double() @ (torch.nn.functional.silu(gate) * up)
+            out[t] += weights[t, k].double() * row
+    return out
+

@@ -19,6 +19,8 @@ pytest.importorskip("transformers")
 
 from arfusion import hf  # noqa: E402
 
+from .models import experts_sum_float64  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from hf_tiny_configs import tiny_config  # noqa: E402
 
@@ -48,18 +50,6 @@ def _routing(experts, config, seed=1):
     return x, index, weights
 
 
-def _float64_sum(experts, x, index, weights):
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for k, e in enumerate(index[t].tolist()):
-            row = x[t].double()
-            if e < experts.num_routed_experts:
-                gate, up = (experts.gate_up_proj[e].double() @ row).chunk(2)
-                row = experts.down_proj[e].double() @ (torch.nn.functional.silu(gate) * up)
-            out[t] += weights[t, k].double() * row
-    return out
-
-
 def test_the_loop_free_sum_is_the_looped_one_or_nearer_the_exact_one():
     """The loop rounds to bf16 after each expert's index_add_; the loop-free forward sums the
     weighted rows in fp32 and rounds once: against float64, never worse than the loop by more
@@ -72,7 +62,7 @@ def test_the_loop_free_sum_is_the_looped_one_or_nearer_the_exact_one():
         looped = experts(x, index, weights).double()
         assert hf.loop_free_experts(model) == len(_experts(model)) == config.num_layers
         loop_free = experts(x, index, weights).double()
-    exact = _float64_sum(experts, x, index, weights)
+    exact = experts_sum_float64(experts, x, index, weights)
     scale = exact.abs().max()
     err_loop, err_ours = ((looped - exact).abs().max() / scale).item(), ((loop_free - exact).abs().max() / scale).item()
     assert err_ours <= err_loop + 2 ** -9, (err_ours, err_loop)

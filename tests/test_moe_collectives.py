@@ -161,17 +161,6 @@ def test_routed_plus_shared_becomes_one_all_reduce_and_fuses(fake_pg):
     assert_matches_eager(actual, expected)
 
 
-def test_a_residual_added_between_two_all_reduces_becomes_one_all_reduce(fake_pg):
-    """LongCat-Flash: (residual + AR(mlp)) + AR(moe) -> residual + AR(mlp + moe), one all-reduce
-    fewer; the two sums are taken in another order, so within their rounding."""
-    arfusion.reset_stats()
-    fused, left, actual, expected, stats = run(RoutedPlusShared(residual_first=True))
-    assert left == 0 and len(fused) == 1 and fused[0][1] is not None
-    assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
-    for a, e in zip(actual, expected):
-        assert_close(a, e, torch.bfloat16, "residual first")
-
-
 def test_a_residual_first_sum_on_two_groups_is_left_as_it_was():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -203,15 +192,18 @@ def test_a_residual_first_sum_that_does_not_merge_keeps_its_order(fake_pg, monke
     assert_matches_eager(actual, expected)
 
 
-def test_a_sum_taken_in_fp32_and_cast_back_becomes_one_all_reduce(fake_pg):
-    """HY-V3: (AR(routed).float() + AR(shared).float()).to(bf16) -> AR((routed.float() +
-    shared.float()).to(bf16)): the same sum and rounding, per rank, before the reduction."""
+@pytest.mark.parametrize("shape", ["widen", "residual_first"])
+def test_other_spellings_of_two_summed_all_reduces_become_one(fake_pg, shape):
+    """HY-V3 (widen): (AR(routed).float() + AR(shared).float()).to(bf16) -> AR((routed.float() +
+    shared.float()).to(bf16)): the same sum and rounding, per rank, before the reduction.
+    LongCat-Flash (residual_first): (residual + AR(mlp)) + AR(moe) -> residual + AR(mlp + moe),
+    one all-reduce fewer; the two sums are taken in another order, so within their rounding."""
     arfusion.reset_stats()
-    fused, left, actual, expected, stats = run(RoutedPlusShared(widen=True))
-    assert left == 0 and len(fused) == 1 and fused[0][1] is not None
+    fused, left, actual, expected, stats = run(RoutedPlusShared(**{shape: True}))
+    assert left == 0 and len(fused) == 1 and fused[0][1] is not None  # the residual is the op's
     assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
     for a, e in zip(actual, expected):
-        assert_close(a, e, torch.bfloat16, "widened")
+        assert_close(a, e, torch.bfloat16, shape)
 
 
 def test_three_all_reduces_summed_become_one(fake_pg):

@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from hf_tiny_configs import tiny_config  # noqa: E402
 
+sys.path.insert(0, str(ROOT))
+from tests.models import experts_sum_float64  # noqa: E402
+
 import arfusion  # noqa: E402
 from arfusion import hf  # noqa: E402
 
@@ -82,14 +85,7 @@ def module_numerics(model, cfg, device) -> dict:
     index = torch.stack([torch.randperm(experts.total_experts, generator=g)[:cfg.moe_topk]
                          for _ in range(tokens)]).to(device)
     weights = torch.rand(tokens, cfg.moe_topk, generator=g).to(device)
-    exact = torch.zeros(x.shape, dtype=torch.float64, device=device)
-    for t in range(tokens):
-        for k, e in enumerate(index[t].tolist()):
-            row = x[t].double()
-            if e < experts.num_routed_experts:
-                gate, up = (experts.gate_up_proj[e].double() @ row).chunk(2)
-                row = experts.down_proj[e].double() @ (torch.nn.functional.silu(gate) * up)
-            exact[t] += weights[t, k].double() * row
+    exact = experts_sum_float64(experts, x, index, weights)
     with torch.no_grad():
         looped = experts(x, index, weights)
         hf.loop_free_experts(model)
