@@ -508,6 +508,7 @@ def _environment_problem(index: int) -> str | None:
 _exchanges: dict[str, int] = {}  # workspace creations per group name: the same count on every rank
 
 
+@functools.cache
 def _guarded_backend_class():
     """FlashInfer's TorchDistBackend with an arrival check before each collective (see
     dispatch.WORKSPACE_EXCHANGE_TIMEOUT_S); None where FlashInfer has no such class."""
