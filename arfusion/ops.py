@@ -333,7 +333,8 @@ def moe_combine_allreduce_rmsnorm(
                     world_size=group_size(group_name), device=rows.device, group_name=group_name)
         override = None if max_bytes < 0 else max_bytes
         reason = (chosen.why_not(call, override) or chosen.moe_combine_why_not(call, top_k, rows.shape[0])
-                  or _quantized_takes(chosen, call, quantized, quantized_min_bytes) or chosen.prepare(call, override))
+                  or _quantized_takes(chosen, call, quantized, quantized_min_bytes) or chosen.prepare(call, override)
+                  or chosen.prepare_moe_combine(call))
         if reason is None:
             stats.record_dispatch(chosen.name)
             outs = chosen.run_moe_combine(call, rows, scale, index, top_k, scale_first,

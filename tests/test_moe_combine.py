@@ -385,7 +385,7 @@ def _flashinfer_worker(rank):
     os.environ[dispatch.MOE_FINALIZE_OPT_IN_ENV] = "1"  # this test is about the kernel's call
     calls = tfb.install_fake_flashinfer()
     finalize_calls = []
-    tfb.FakeWorkspace.workspace_tensor = property(lambda self: ("workspace of", self.max_token_num))
+    tfb.FakeWorkspace.workspace_tensor = property(lambda self: ("workspace of", self.max_token_num, id(self)))
 
     def trtllm_moe_finalize_allreduce_fusion(*, allreduce_in, residual_in, norm_weight, expanded_idx_to_permuted_idx,
                                              norm_out, residual_out, quant_out, scale_out, workspace_ptrs,
@@ -418,6 +418,8 @@ def _flashinfer_worker(rank):
     backend.unavailable = lambda device: None
     group = dist.group.WORLD.group_name
     site = Site(residual=True, norm="rms")
+    sys_modules = __import__("sys").modules
+    finalize_workspaces = []
     try:
         # (tokens, scale_first, fused, with_shared, routed_scale, input_scale)
         cases = ((1, True, True, False, 1.0, 1.0), (8, False, True, False, 1.0, 1.0), (32, True, True, False, 1.0, 1.0),
@@ -455,10 +457,48 @@ def _flashinfer_worker(rank):
                 assert (c["shared"] is None) != with_shared  # the shared expert's term as shared_expert_output
                 if with_shared:  # the factor after the all-reduce applies to the shared term too
                     assert torch.equal(c["shared"], shared * input_scale if input_scale != 1.0 else shared)
-                assert c["workspace"][0] == "workspace of"  # the group's ordinary workspace
+                finalize_workspaces.append(c["workspace"])
             else:  # above the entry: combine in torch, then FlashInfer's plain fused kernel
                 assert not finalize_calls and len(calls["fusion"]) == 1 and calls["fusion"][0]["tokens"] == tokens
-        assert len(calls["create"]) == 1  # one workspace for the group, shared by both kernels
+        # The plain kernel's workspace, then the finalize kernel's own two, sized for the table's cap.
+        cap = dispatch.MOE_FINALIZE_MAX_TOKENS[(9, 2)]
+        assert [c["max_token_num"] for c in calls["create"]][1:] == [cap, cap]
+        plain = backend.workspace(group)
+        assert plain.max_token_num > cap
+        # Taken in turn, never the plain one: a finalize call's buffers are next re-armed two calls on.
+        assert len(set(finalize_workspaces)) == 2 and id(plain) not in {w[2] for w in finalize_workspaces}
+        assert all(a != b for a, b in zip(finalize_workspaces, finalize_workspaces[1:]))
+
+        # Making the finalize workspaces fails on every rank: the combine runs in torch, the site
+        # keeps FlashInfer's plain kernel, and nobody tries again.
+        create = sys_modules["flashinfer.comm"].create_allreduce_fusion_workspace
+
+        def no_finalize_workspace(**kw):
+            if kw["max_token_num"] == cap:
+                calls["create"].append(kw)
+                raise RuntimeError("out of IPC handles")
+            return create(**kw)
+
+        sys_modules["flashinfer.comm"].create_allreduce_fusion_workspace = no_finalize_workspace
+        other = dist.new_group([0, 1])
+        for attempt in range(2):
+            finalize_calls.clear()
+            calls["fusion"].clear()
+            calls["create"].clear()
+            torch.manual_seed(rank)
+            rows, index = torch.randn(32, 256, dtype=torch.bfloat16), torch.randperm(32)
+            scale, residual = torch.rand(32, 1, dtype=torch.bfloat16), torch.randn(4, 256, dtype=torch.bfloat16)
+            weight = torch.ones(256, dtype=torch.bfloat16)
+            got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
+                rows, scale, index, 8, True, residual, weight, 1e-6, None, other.group_name, "rms", "none", None,
+                True, "flashinfer", -1)
+            want = reference.unfused(reference.moe_combine(rows, scale, index, 8, True), residual, weight, 1e-6,
+                                     other.group_name, site)
+            assert all(torch.allclose(g.float(), w.float(), atol=0.05, rtol=0.02) for g, w in zip(got, want))
+            assert not finalize_calls and len(calls["fusion"]) == 1
+            assert len(calls["create"]) == (2 if attempt == 0 else 0)  # plain, then the failed finalize one
+        state = backend._groups[other.group_name]
+        assert state.failed is None and "out of IPC handles" in state.finalize_failed
     finally:
         backend.close()
         tfb.remove_fake_flashinfer()

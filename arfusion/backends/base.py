@@ -176,6 +176,11 @@ class Backend:
         unknown until run time), else why not. Same-on-every-rank facts only."""
         return f"backend {self.name} has no fused MoE-combine kernel"
 
+    def prepare_moe_combine(self, call: Call) -> str | None:
+        """`prepare` for the fused MoE kernel, after `prepare` (run time, collective where it makes
+        anything): None when ready, else why not."""
+        return None
+
     def run_moe_combine(self, call: Call, rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor,
                         top_k: int, scale_first: bool, residual: torch.Tensor | None, weight: torch.Tensor,
                         eps: float, quant_scale: torch.Tensor | None, shared: torch.Tensor | None = None,

@@ -5,9 +5,10 @@ SM100+ only (dispatch.QUANT_MIN_SM); per-group FP8 runs the plain kernel and the
 quant kernel (see QUANT_KERNELS).
 
 A site whose all-reduce input is an MoE top-k combine (`arfusion::moe_combine_allreduce_rmsnorm`)
-runs `trtllm_moe_finalize_allreduce_fusion` on the same per-group workspace where the dispatch
-table's MOE_FINALIZE_MAX_TOKENS allows (decode sizes); elsewhere the op combines in torch and
-takes the ordinary path.
+runs `trtllm_moe_finalize_allreduce_fusion` where the dispatch table's MOE_FINALIZE_MAX_TOKENS
+allows (decode sizes) and the user opted in; elsewhere the op combines in torch and takes the
+ordinary path. The finalize kernel gets workspaces of its own, two per group, used in turn (see
+`FinalizeWorkspaces`).
 
 Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`
 and `allreduce_fusion`, always with backend="trtllm". "auto" would pick "mnnvl" on NVSwitch
@@ -119,6 +120,35 @@ class _GroupState:
     zeros: dict = field(default_factory=dict)  # dtype -> zero residual for sites without one
     quantized_ready: bool = False  # the quantized all-reduce's symmetric buffer exists at full size
     quantized_failed: str | None = None  # set on every rank at once; exact all-reduce from then on
+    finalize: "FinalizeWorkspaces | None" = None
+    finalize_failed: str | None = None  # set on every rank at once; the combine then runs in torch
+
+
+@dataclass
+class FinalizeWorkspaces:
+    """The MoE finalize kernel's own workspaces: two, taken in turn, one call each.
+
+    FlashInfer's finalize kernel (0.7.2.post1, trtllm_moe_allreduce_fusion.cuh) reads each peer's
+    values from *that peer's* Lamport buffer, and every one-shot kernel re-arms its own buffer's
+    region of the previous call at its next call on the same workspace. On a shared workspace a
+    rank that finished could re-arm what a slower peer is still reading (both then wait forever:
+    seen on two H200s and with two ranks on one H100). Here the next call on a workspace is always
+    two finalize calls later, and the call in between (on the other one) cannot finish on any rank
+    before every peer has finished the first: so nothing a peer still reads is re-armed. The plain
+    kernel keeps the group's ordinary workspace and never touches these.
+
+    Left open: a CUDA graph replayed back to back whose only collectives on the group are an odd
+    number of finalize calls (replay k ends on the workspace replay k+1 starts on). A decoder's
+    graph all-reduces its attention output between any two MoE sites, which closes it."""
+
+    pair: list
+    capacity_elems: int  # input elements per rank each workspace holds
+    calls: int = 0
+
+    def next(self):
+        workspace = self.pair[self.calls % 2]
+        self.calls += 1
+        return workspace
 
 
 @dataclass
@@ -242,19 +272,34 @@ class FlashInferBackend(Backend):
 
     def _create_workspace(self, state: _GroupState, call: Call, wanted_bytes: int) -> str | None:
         """Collective over the call's group; every rank returns the same verdict."""
-        group = dist.distributed_c10d._resolve_process_group(call.group_name)
-        comm_device = call.device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
         started = time.perf_counter()
-
         itemsize = torch.empty((), dtype=call.dtype).element_size()
         max_tokens = max(1, math.ceil(wanted_bytes / (call.hidden * itemsize)))
+        workspace, error = self._new_workspace(call, max_tokens)
+        if error:
+            state.failed = error
+            return error
+        if state.workspace is not None:
+            state.retired.append(state.workspace)
+        state.workspace, state.capacity_elems = workspace, max_tokens * call.hidden
+        state.zeros.clear()
+        log.info("arfusion: FlashInfer workspace for group %s (world %d): up to %d tokens x %d "
+                 "(%.1f MiB per rank input) ready in %.1fs", call.group_name, call.world_size, max_tokens,
+                 call.hidden, max_tokens * call.hidden * itemsize / dispatch.MiB,
+                 time.perf_counter() - started)
+        return None
+
+    def _new_workspace(self, call: Call, max_tokens: int) -> tuple[Any, str | None]:
+        """(workspace, None) or (None, why not): collective over the call's group, and every rank
+        returns the same verdict (readiness first, then creation, then its success)."""
+        group = dist.distributed_c10d._resolve_process_group(call.group_name)
+        comm_device = call.device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
         local_problem = _build_kernels() or _memory_problem(
             call.device, dispatch.workspace_bytes_bound(group.size(), max_tokens, call.hidden))
         facts = [] if local_problem else _rank_facts(_device_index(call.device))
         verdict = _group_verdict(local_problem, facts, group, comm_device)
         if not all_ranks_agree(verdict is None, group, comm_device):
-            state.failed = verdict or "another rank of the group cannot use FlashInfer (see its log)"
-            return state.failed
+            return None, verdict or "another rank of the group cannot use FlashInfer (see its log)"
 
         workspace, error = None, None
         try:
@@ -268,18 +313,8 @@ class FlashInferBackend(Backend):
         if not all_ranks_agree(error is None, group, comm_device):
             if workspace is not None:
                 workspace.destroy()
-            state.failed = f"FlashInfer workspace creation failed: {error or 'on another rank'}"
-            return state.failed
-
-        if state.workspace is not None:
-            state.retired.append(state.workspace)
-        state.workspace, state.capacity_elems = workspace, max_tokens * call.hidden
-        state.zeros.clear()
-        log.info("arfusion: FlashInfer workspace for group %s (world %d): up to %d tokens x %d "
-                 "(%.1f MiB per rank input) ready in %.1fs", call.group_name, group.size(), max_tokens,
-                 call.hidden, max_tokens * call.hidden * itemsize / dispatch.MiB,
-                 time.perf_counter() - started)
-        return None
+            return None, f"FlashInfer workspace creation failed: {error or 'on another rank'}"
+        return workspace, None
 
     def run(self, call, x, residual, weight, eps, quant_scale):
         fic = importlib.import_module("flashinfer.comm")
@@ -337,12 +372,43 @@ class FlashInferBackend(Backend):
         sm = device_facts(_device_index(call.device)).sm[0]
         return dispatch.moe_finalize_problem(sm, call.world_size, call.tokens)
 
+    def prepare_moe_combine(self, call: Call) -> str | None:
+        """The finalize kernel's two workspaces (`FinalizeWorkspaces`), sized for the dispatch
+        table's token cap: made like the ordinary one (collectively, outside graph pools, never
+        during capture); a failure leaves the combine to torch, not the whole group unfused."""
+        state = self._groups.current(call.group_name)
+        if state.finalize_failed:
+            return state.finalize_failed
+        have = state.finalize
+        if have is not None and call.tokens * call.hidden <= have.capacity_elems:
+            return None
+        if _capturing():
+            return ("no MoE finalize workspaces yet and workspaces are never created during CUDA-graph "
+                    "capture: run the model once eagerly first")
+        sm = device_facts(_device_index(call.device)).sm[0]
+        max_tokens = max(call.tokens, dispatch.MOE_FINALIZE_MAX_TOKENS.get((sm, call.world_size), 0))
+        pair = []
+        for _ in range(2):
+            workspace, error = outside_graph_pools(call.device, lambda: self._new_workspace(call, max_tokens))
+            if error:
+                for made in pair:
+                    made.destroy()
+                state.finalize_failed = f"MoE finalize workspaces: {error}"
+                return state.finalize_failed
+            pair.append(workspace)
+        if have is not None:
+            state.retired.extend(have.pair)
+        state.finalize = FinalizeWorkspaces(pair, max_tokens * call.hidden)
+        log.info("arfusion: FlashInfer MoE finalize workspaces for group %s (world %d): 2 x %d tokens x %d",
+                 call.group_name, call.world_size, max_tokens, call.hidden)
+        return None
+
     def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale,
                         shared=None, routed_scale=1.0, input_scale=1.0):
         """FlashInfer's MoE finalize: out[t] = sum_k scale[t, k] * rows[index[t, k]] (+ shared[t], its
         `shared_expert_output`, added in the activation dtype before the reduction), all-reduced,
-        + residual, RMSNorm, in one kernel on the group's ordinary workspace (the one `prepare`
-        made for this call's size: per group, outside CUDA-graph pools, agreed by every rank).
+        + residual, RMSNorm, in one kernel.
+        On the group's finalize workspaces, taken in turn (`FinalizeWorkspaces`).
         index goes in as int32 [T, K]; the weights as [T, K] in the activation dtype (a per-row
         scale is gathered to token order first; fp32 router weights are rounded: the kernel's
         scale type is the activation type, and so is its accumulator). The kernel's one number,
@@ -369,7 +435,7 @@ class FlashInferBackend(Backend):
         finalize(
             allreduce_in=flatten_tokens(rows), residual_in=residual_in, norm_weight=weight.contiguous(),
             expanded_idx_to_permuted_idx=expanded_to_permuted, norm_out=norm_out, residual_out=residual_out,
-            quant_out=None, scale_out=None, workspace_ptrs=state.workspace.workspace_tensor,
+            quant_out=None, scale_out=None, workspace_ptrs=state.finalize.next().workspace_tensor,
             launch_with_pdl=self.launch_with_pdl, world_rank=group.rank(), world_size=group.size(),
             eps=float(eps), shared_expert_output=None if shared is None else flatten_tokens(shared_in).contiguous(),
             expert_scale_factor=expert_scale.to(call.dtype).contiguous(),
@@ -452,7 +518,7 @@ class FlashInferBackend(Backend):
     def close(self) -> None:
         """Free every workspace. Called at exit; call it earlier (on every rank, after the last
         fused call) to free the memory sooner."""
-        if not any(s.workspace is not None for s in self._groups.everything()):
+        if not any(s.workspace is not None or s.finalize is not None for s in self._groups.everything()):
             return
         try:
             torch.cuda.synchronize()
@@ -460,7 +526,7 @@ class FlashInferBackend(Backend):
         except Exception:  # interpreter shutdown may have torn CUDA or the module down already
             release = None
         for state in self._groups.everything():
-            for ws in [state.workspace, *state.retired]:
+            for ws in [state.workspace, *state.retired, *(state.finalize.pair if state.finalize else ())]:
                 if ws is None:
                     continue
                 try:

@@ -91,6 +91,9 @@ for s in "$@"; do
     moesite2) stage moesite2 "${LIMIT:-200}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --no-finalize --out "$OUT/moe_site" ;;
     moecheck2) stage moecheck2 "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --out "$OUT/moe_combine" ;;
     # Where only one GPU is lent: the same correctness checks with both ranks on GPU 0 (gloo, no timings).
+    # Queued calls and CUDA graphs of the MoE op, both ranks on GPU 0 (the finalize race; the last
+    # step, an odd graph of MoE calls alone, is expected to hang and be stopped by the watchdog).
+    queue1shared) stage queue1shared "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/probe_shared_gpu_queue.py ;;
     moecheck1shared) stage moecheck1shared "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --shared-gpu \
       --out "$OUT/moe_combine_shared_gpu" ;;
     # Quantized all-reduce (issue 14 part 3): op level at 1-64 MiB per rank (bench_quantized_w2.json),
