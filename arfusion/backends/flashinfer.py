@@ -374,7 +374,7 @@ class FlashInferBackend(Backend):
 
     def prepare_moe_combine(self, call: Call) -> str | None:
         """The finalize kernel's two workspaces (`FinalizeWorkspaces`), sized for the dispatch
-        table's token cap: made like the ordinary one (collectively, outside graph pools, never
+        table's token cap (after `prepare`, which made the ordinary one): made like the ordinary one (collectively, outside graph pools, never
         during capture); a failure leaves the combine to torch, not the whole group unfused."""
         state = self._groups.current(call.group_name)
         if state.finalize_failed:
@@ -385,8 +385,11 @@ class FlashInferBackend(Backend):
         if _capturing():
             return ("no MoE finalize workspaces yet and workspaces are never created during CUDA-graph "
                     "capture: run the model once eagerly first")
+        # The table's cap, within what the ordinary workspace holds (a forced cap, as the GPU check
+        # sets, is not a size to allocate), and never below this call.
         sm = device_facts(_device_index(call.device)).sm[0]
-        max_tokens = max(call.tokens, dispatch.MOE_FINALIZE_MAX_TOKENS.get((sm, call.world_size), 0))
+        cap = dispatch.MOE_FINALIZE_MAX_TOKENS.get((sm, call.world_size), 0)
+        max_tokens = max(call.tokens, min(cap, state.capacity_elems // call.hidden))
         pair = []
         for _ in range(2):
             workspace, error = outside_graph_pools(call.device, lambda: self._new_workspace(call, max_tokens))

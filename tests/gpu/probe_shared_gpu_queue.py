@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_moe_combine import EPS, K, graph_of, lift_shared_gpu_guard, make_inputs, moe_op  # noqa: E402
+from check_moe_combine import EPS, K, graph_of, make_inputs, moe_op  # noqa: E402
+from shared_gpu import lift_shared_gpu_guard  # noqa: E402
 
 import arfusion  # noqa: E402,F401
 
