@@ -348,11 +348,11 @@ def test_flashinfer_dispatch_entry_is_decode_only(monkeypatch, tmp_path):
             return Call(site=site, tokens=tokens, hidden=4096, dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
                         world_size=world, device=torch.device("cuda", 0), group_name="tp")
 
-        # Off by default (the kernel's cross-rank read can hang, docs/flashinfer.md), at every size.
+        # Off by default (not yet timed against the compiled combine + fused site), at every size.
         monkeypatch.delenv(dispatch.MOE_FINALIZE_OPT_IN_ENV, raising=False)
         hash_off = dispatch.table_hash()
         for tokens in (1, cap, None):
-            assert backend.moe_combine_why_not(call(tokens), 8, None) == dispatch.MOE_FINALIZE_HAZARD
+            assert backend.moe_combine_why_not(call(tokens), 8, None) == dispatch.MOE_FINALIZE_OFF_REASON
         monkeypatch.setenv(dispatch.MOE_FINALIZE_OPT_IN_ENV, "1")
         assert dispatch.table_hash() != hash_off  # ranks that disagree on the opt-in use no workspace together
         assert backend.moe_combine_why_not(call(cap), 8, cap * 8) is None

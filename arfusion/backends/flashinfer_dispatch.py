@@ -124,17 +124,17 @@ def quant_problem(form: str, sm_major: int, cuda_version: str | None) -> str | N
 # 0.44x at T=1/8/32/64/128, hidden 4096 1.50/1.75/1.18x at T=1/8/32: decode sizes only. Other
 # worlds and GPUs are unmeasured (tests/gpu/check_moe_combine.py measures them).
 MOE_FINALIZE_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 2): 32}
-# ...but only on request. In FlashInfer 0.7.2.post1 (and its main branch of 2026-08) the finalize
-# kernel reads each peer's values from that peer's Lamport buffer
-# (trtllm_moe_allreduce_fusion.cuh, `comm.data_bufs[r]` in the load loop), where every other
-# one-shot kernel reads its own buffer. A rank that has its values finishes the call, and its next
-# one-shot call on the workspace (any kernel) re-arms that same region with -0 while a slower peer
-# may still be reading it: the peer then waits forever. Two ranks time-sliced on one H100 hang
-# on the second of two queued calls; FlashInfer's plain fused kernel passes the same test
-# (docs/flashinfer.md). Real GPUs drift less, but a hang is not a risk to take by default.
+# ...but only on request, until it is timed on two GPUs against what the op does without it
+# (compiled combine + the plain fused site; the numbers above are against NCCL). Its old hazard is
+# closed: FlashInfer's finalize kernel reads each peer's values from that peer's Lamport buffer,
+# which the peer re-arms at its next call on the workspace; sharing the plain kernel's workspace,
+# queued calls hung (two H200s; two ranks on one H100). It now alternates between two workspaces
+# of its own (flashinfer.FinalizeWorkspaces), and on one H100 queued calls and CUDA graphs finish.
+# One order stays open: a graph replayed back to back whose only collectives on the group are an
+# odd number of finalize calls (docs/flashinfer.md).
 MOE_FINALIZE_OPT_IN_ENV = "ARFUSION_FLASHINFER_MOE_FINALIZE"
-MOE_FINALIZE_HAZARD = (f"FlashInfer's MoE finalize kernel can hang when ranks drift apart (it reads its peers' "
-                       f"buffers, which they re-arm on their next call); {MOE_FINALIZE_OPT_IN_ENV}=1 uses it anyway")
+MOE_FINALIZE_OFF_REASON = (f"FlashInfer's MoE finalize kernel is opt-in ({MOE_FINALIZE_OPT_IN_ENV}=1) until it is "
+                           f"timed against the compiled combine + fused site on two GPUs")
 
 
 def moe_finalize_opted_in() -> bool:
@@ -144,7 +144,7 @@ def moe_finalize_opted_in() -> bool:
 def moe_finalize_problem(sm_major: int, world_size: int, tokens: int | None) -> str | None:
     """Why FlashInfer's MoE finalize kernel is not used for this call (tokens None: not known yet)."""
     if not moe_finalize_opted_in():
-        return MOE_FINALIZE_HAZARD
+        return MOE_FINALIZE_OFF_REASON
     cap = MOE_FINALIZE_MAX_TOKENS.get((sm_major, world_size))
     if cap is None:
         return f"no MoE-finalize dispatch entry for SM {sm_major}x, world size {world_size}"
