@@ -26,7 +26,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from . import backends, patterns, stats
 from .backends.base import Call, num_tokens
 from .config import PassConfig, env_disabled, env_strict
-from .graph_utils import (ALL_REDUCE, REDUCE_SCATTER, dedupe_pure_nodes, has_fp8_casts,
+from .graph_utils import (ALL_REDUCE, REDUCE_SCATTER, collective_group, dedupe_pure_nodes, has_fp8_casts,
                           move_all_reduce_to_current_stream, restore, snapshot)
 from .ops import current_stream_pays, group_size
 from .patterns.region import hinted_shape
@@ -50,6 +50,7 @@ class ArFusionPass(CustomGraphPass):
     def __init__(self, config: PassConfig | None = None):
         self.config = config if config is not None else PassConfig(enable_allreduce_fusion=True)
         self._graph_key = ""  # the graph being rewritten (its sites' prefix in stats)
+        self._other_collectives: Counter[str] = Counter()  # of the graph being rewritten, per group
 
     def uuid(self) -> str:
         # Everything that changes the rewrite: code, config, the opt-out, library versions.
@@ -104,6 +105,10 @@ class ArFusionPass(CustomGraphPass):
         if any(merged.values()):
             log.info("arfusion: %s", ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in merged.items() if v))
             all_reduces = [n for n in graph.nodes if n.target is ALL_REDUCE]
+        # Per group, the collectives that are not an MoE site's: what some MoE kernels need in the graph.
+        self._other_collectives = Counter(
+            group for n in graph.nodes if (group := collective_group(n)) is not None
+            and not (n.target is ALL_REDUCE and patterns.feeds_combine(n)))
         graph_key = self._graph_key = uuid.uuid4().hex[:12]  # names this graph's sites in stats, cached or not
         fused: Counter[str] = Counter()
         moved = 0
@@ -241,6 +246,11 @@ class ArFusionPass(CustomGraphPass):
                 reason = None
             if not reason and combine is not None:
                 reason = backend.moe_combine_why_not(call, combine.top_k, None)
+                if not reason and backend.capabilities.moe_combine_needs_other_collective \
+                        and not self._other_collectives[call.group_name]:
+                    reason = (f"no other collective on group {call.group_name} in this graph, and {backend.name}'s "
+                              "MoE kernel needs one between its calls (a graph of MoE sites alone, replayed back "
+                              "to back, could hang)")
         return reason or ""
 
 

@@ -14,6 +14,16 @@ REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 
 
+def collective_group(node: torch.fx.Node) -> str | None:
+    """The group name of a functional collective (all_reduce, all_gather, reduce_scatter,
+    all_to_all: the name is their last argument), else None."""
+    target = node.target
+    if node.op != "call_function" or target is WAIT or getattr(target, "namespace", None) != "_c10d_functional":
+        return None
+    name = node.kwargs.get("group_name", node.args[-1] if node.args else None)
+    return name if isinstance(name, str) else None
+
+
 def has_fp8_casts(graph: torch.fx.Graph) -> bool:
     convert = torch.ops.prims.convert_element_type.default
     return any(n.target is convert and n.args[1] in FP8_DTYPES for n in graph.nodes)

@@ -131,6 +131,47 @@ def test_combine_is_fused_into_the_site(fake_pg, variant, fp32_weights, caplog):
     assert "MoE top-k combine (K=2) fused" in caplog.text
 
 
+class AttentionThenExperts(nn.Module):
+    """A decoder layer's two sites: a row-parallel output all-reduced, added, normed; then the MoE block."""
+
+    def __init__(self):
+        super().__init__()
+        self.o_proj = nn.Linear(H, H, bias=False, dtype=torch.bfloat16)
+        self.norm_weight = nn.Parameter(1 + 0.1 * torch.randn(H, dtype=torch.bfloat16))
+        self.moe = GroupedExperts()
+
+    def forward(self, x, residual):
+        attn = self.o_proj(x)
+        dist.all_reduce(attn)
+        h = residual + attn
+        return self.moe(NORMS["hf_llama"][0](h, self.norm_weight, 1e-6), h)
+
+
+@pytest.mark.parametrize("with_attention", [False, True], ids=["moe_alone", "after_attention"])
+def test_a_kernel_that_needs_another_collective_gets_the_combine_only_with_one(fake_pg, monkeypatch, with_attention,
+                                                                               caplog):
+    """FlashInfer's finalize kernel alternates two workspaces; a graph whose only collectives are
+    MoE sites, replayed back to back, could start on the workspace it ended on. The pass gives such
+    a backend the combine only where the graph has another collective on the group."""
+    from dataclasses import replace
+
+    from arfusion.backends import get_backend
+
+    backend = get_backend("torch")
+    monkeypatch.setattr(backend, "capabilities",
+                        replace(backend.capabilities, moe_combine_needs_other_collective=True))
+    torch.manual_seed(0)
+    module = AttentionThenExperts() if with_attention else GroupedExperts()
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        _, _, stats, seen = compile_run(module, _inputs())
+    assert stats["fused_sites"] == 1 + with_attention
+    if with_attention:
+        assert seen == {"moe": 1, "plain": 1, "left": 0} and stats["moe_combines_fused"] == 1, seen
+    else:
+        assert seen == {"moe": 0, "plain": 1, "left": 0} and stats["moe_combines_fused"] == 0, seen
+        assert "no other collective on group" in caplog.text
+
+
 @pytest.mark.parametrize("variant, why", [
     ("gathered_read_elsewhere", "read only by"),
     ("sum_over_other_dim", "not over dim 1"),

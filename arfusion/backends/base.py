@@ -92,6 +92,10 @@ class Capabilities:
     world_sizes: frozenset[int] = frozenset()
     residual_optional: bool = True
     quantized_levels: frozenset[str] = frozenset()  # config.QUANTIZED_LEVELS it has an all-reduce for
+    # The fused MoE kernel is safe only with another collective on its group between two of its
+    # calls, and the pass can vouch for that only inside one graph (FlashInfer's finalize kernel:
+    # FinalizeWorkspaces in flashinfer.py).
+    moe_combine_needs_other_collective: bool = False
 
     def why_not(self, call: Call) -> str | None:
         site = call.site

@@ -137,9 +137,10 @@ class FinalizeWorkspaces:
     before every peer has finished the first: so nothing a peer still reads is re-armed. The plain
     kernel keeps the group's ordinary workspace and never touches these.
 
-    Left open: a CUDA graph replayed back to back whose only collectives on the group are an odd
-    number of finalize calls (replay k ends on the workspace replay k+1 starts on). A decoder's
-    graph all-reduces its attention output between any two MoE sites, which closes it."""
+    Not closed by this alone: a CUDA graph replayed back to back whose only collectives on the
+    group are an odd number of finalize calls (replay k ends on the workspace replay k+1 starts
+    on). So the pass fuses the combine only into graphs with another collective on the group
+    (`Capabilities.moe_combine_needs_other_collective`); in a decoder, the attention all-reduce."""
 
     pair: list
     capacity_elems: int  # input elements per rank each workspace holds
@@ -162,6 +163,7 @@ class FlashInferBackend(Backend):
         world_sizes=WORLD_SIZES,
         residual_optional=True,  # fed a zero residual: no FlashInfer pattern norms without one
         quantized_levels=frozenset({"fp8"}),  # quantized_all_reduce: FP8 e4m3 payload only
+        moe_combine_needs_other_collective=True,
     ))
     # Kernel launch knobs. PDL lets the kernel's launch overlap the previous kernel's tail;
     # completion is always signalled at the end (early completion with one-shot gave NaN,

@@ -11,10 +11,10 @@ all-reduces of sums (MoE blocks). docs/patterns.md explains the design and the a
 from .classify import Site, clear_memo, find_site
 from .collectives import merge as merge_collectives
 from .collectives import scaled_all_reduce
-from .moe_combine import Combine
+from .moe_combine import Combine, feeds_combine
 from .moe_combine import find as find_moe_combine
 from .region import all_reduce_sum_start, grow
 from .rewrite import op_site, rewrite, scaled_sites
 
 __all__ = ["Site", "find_site", "clear_memo", "all_reduce_sum_start", "grow", "op_site", "rewrite", "scaled_sites",
-           "merge_collectives", "scaled_all_reduce", "Combine", "find_moe_combine"]
+           "merge_collectives", "scaled_all_reduce", "Combine", "find_moe_combine", "feeds_combine"]

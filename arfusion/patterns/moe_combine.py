@@ -140,6 +140,11 @@ def _split_shared(x: torch.fx.Node, all_reduce: torch.fx.Node):
     return x, None, 1.0, (), None
 
 
+def feeds_combine(all_reduce: torch.fx.Node) -> bool:
+    """Whether `all_reduce` sums what looks like a top-k combine (`find` may still say no)."""
+    return _is_combine_sum(_split_shared(all_reduce.args[0], all_reduce)[0])
+
+
 def find(site: Site) -> Combine | str:
     """The combine feeding `site`'s all-reduce, or why there is none."""
     region = site.region
