@@ -131,7 +131,8 @@ MOE_FINALIZE_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 2): 32}
 # queued calls hung (two H200s; two ranks on one H100). It now alternates between two workspaces
 # of its own (flashinfer.FinalizeWorkspaces), and on one H100 queued calls and CUDA graphs finish.
 # One order stays open: a graph replayed back to back whose only collectives on the group are an
-# odd number of finalize calls (docs/flashinfer.md).
+# odd number of finalize calls; the pass keeps the combine out of graphs without another
+# collective on the group (docs/flashinfer.md).
 MOE_FINALIZE_OPT_IN_ENV = "ARFUSION_FLASHINFER_MOE_FINALIZE"
 MOE_FINALIZE_OFF_REASON = (f"FlashInfer's MoE finalize kernel is opt-in ({MOE_FINALIZE_OPT_IN_ENV}=1) until it is "
                            f"timed against the compiled combine + fused site on two GPUs")
