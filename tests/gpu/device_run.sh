@@ -84,9 +84,11 @@ for s in "$@"; do
         --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT" ;;
     # The same with FlashInfer's MoE finalize kernel opted in (off by default: it can hang when ranks
     # drift apart, docs/flashinfer.md), tagged apart.
-    moe2fin) stage moe2fin-qwen3 "${LIMIT:-280}" env ARFUSION_FLASHINFER_MOE_FINALIZE=1 $TORCHRUN 2 \
-        benchmarks/bench_hf_decode.py --model-type qwen3_moe --layers ${MOE_LAYERS:-8} --phases decode accuracy \
-        --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --tag finalize --out "$OUT" ;;
+    moe2fin) for model in ${MOE_MODELS:-qwen3_moe deepseek_v2}; do
+        stage "moe2fin-$model" "${LIMIT:-280}" env ARFUSION_FLASHINFER_MOE_FINALIZE=1 $TORCHRUN 2 \
+          benchmarks/bench_hf_decode.py --model-type "$model" --layers ${MOE_LAYERS:-8} --phases decode accuracy \
+          --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --tag finalize --out "$OUT"
+      done ;;
     # The MoE site as the pass emits it by default (compiled combine + fused site) against unfused, timed.
     moesite2) stage moesite2 "${LIMIT:-200}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --no-finalize --out "$OUT/moe_site" ;;
     moecheck2) stage moecheck2 "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --out "$OUT/moe_combine" ;;
