@@ -161,6 +161,9 @@ for s in "$@"; do
     loopfree1shared)  # the same model at TP=2 through the pass with FlashInfer (one GPU, two ranks)
       stage loopfree1shared "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_loop_free_experts.py --shared-gpu \
         --out "$OUT/loop_free" ;;
+    loopfree1sharedfin)  # the same with FlashInfer's MoE finalize kernel opted in (its two workspaces)
+      stage loopfree1sharedfin "${LIMIT:-240}" env ARFUSION_FLASHINFER_MOE_FINALIZE=1 $TORCHRUN 2 \
+        tests/gpu/check_loop_free_experts.py --shared-gpu --out "$OUT/loop_free_finalize" ;;
     acc1shared)  # after trainacc1 (or train1) wrote /tmp/ckpt-acc
       stage acc1shared "${LIMIT:-300}" $TORCHRUN 2 benchmarks/eval_accuracy.py --model /tmp/ckpt-acc --shared-gpu \
         --seqs ${SEQS:-32} --out "$OUT/acc_shared_gpu" --configs eager compiled arfusion_exact ;;
