@@ -9,7 +9,9 @@ random bf16 weights (hidden 1024, 16 routed + 8 identity experts, top-4, 2 layer
      compiled, medians of timed calls.
 With `torchrun --nproc-per-node 2 ... --shared-gpu` (a one-GPU machine, tests/gpu/shared_gpu.py):
 TP=2 through the pass with FlashInfer's kernels: sites fused, merged all-reduces, combines
-fused, dispatch, logits vs the eager TP model with its loop, beside Inductor alone's.
+fused, dispatch, calls of the fused MoE kernel (FlashInfer's finalize, where
+ARFUSION_FLASHINFER_MOE_FINALIZE=1), logits vs the eager TP model with its loop (the last of
+three compiled forwards queued without a synchronize), beside Inductor alone's.
 Writes DIR/loop_free_experts[_tp2].json.
 """
 
@@ -157,6 +159,22 @@ def single(args) -> dict:
     return result
 
 
+def count_moe_kernel_calls(backend_name: str) -> list[int]:
+    """[calls] of the backend's fused MoE kernel (FlashInfer's finalize, where opted in), counted
+    from here on."""
+    from arfusion.backends import get_backend
+
+    backend, calls = get_backend(backend_name), [0]
+    real = backend.run_moe_combine
+
+    def counting(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+
+    backend.run_moe_combine = counting
+    return calls
+
+
 def tensor_parallel(args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -183,10 +201,15 @@ def tensor_parallel(args) -> dict:
         torch._dynamo.reset()
         arfusion.reset_stats()
         backend = "torch" if args.cpu else "flashinfer"
+        kernel_calls = count_moe_kernel_calls(backend)
         options = arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend))
-        got = torch.compile(model, options=options)(input_ids=ids, use_cache=False).logits.float()
+        compiled = torch.compile(model, options=options)
+        # Three forwards queued without a synchronize: the ranks drift apart (more so on one GPU).
+        for _ in range(3):
+            got = compiled(input_ids=ids, use_cache=False).logits.float()
     s = arfusion.stats()
-    return {"rank": rank, "prepared": prepared, "logits_rel_err_vs_eager": rel(got, eager),
+    return {"rank": rank, "prepared": prepared, "fused_moe_kernel_calls": kernel_calls[0],
+            "logits_rel_err_vs_eager": rel(got, eager),
             "plain_compile_rel_err_vs_eager": rel(plain, eager), "pass_vs_plain_compile": rel(got, plain),
             "stats": {k: s.get(k) for k in ("fused_sites", "unfused_sites", "summed_all_reduces_merged",
                                              "moe_combines_fused", "dispatch", "graphs", "why_not")}}
