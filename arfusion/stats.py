@@ -74,7 +74,10 @@ def stats() -> dict:
     (GPU); these three come from the pass, so a cache hit adds nothing to them. Likewise
     summed_all_reduces_merged (AR(a) + AR(b) rewritten as AR(a + b): one collective fewer each;
     gated_all_reduces_merged of them with a factor, AR(a) + f * AR(b) -> AR(a + f * b))
-    sums_moved_before_all_reduce (sum(AR(x)) rewritten as AR(sum(x))), scaled_sums_distributed
+    sums_moved_before_all_reduce (sum([f *] AR(x)) rewritten as AR(sum([f *] x))),
+    concatenated_all_reduces_merged (cat/stack of n all-reduces rewritten as one: n - 1 each),
+    matmuls_moved_before_all_reduce (bmm(g, AR(x)) rewritten as AR(bmm(g, x)), g replicated: an einsum combine),
+    scaled_sums_distributed
     ((AR(a) + b) * f rewritten as AR(a) * f + b * f, b replicated: Granite-4's MoE layers) and
     scaled_all_reduces_fused (f * AR(x), e.g. Granite's multiplier: sites whose op took f).
     moe_combines_fused counts the fused sites whose op also took in the MoE top-k combine in
@@ -92,6 +95,8 @@ def stats() -> dict:
             "summed_all_reduces_merged": _collectives["summed_all_reduces_merged"],
             "gated_all_reduces_merged": _collectives["gated_all_reduces_merged"],
             "sums_moved_before_all_reduce": _collectives["sums_moved_before_all_reduce"],
+            "concatenated_all_reduces_merged": _collectives["concatenated_all_reduces_merged"],
+            "matmuls_moved_before_all_reduce": _collectives["matmuls_moved_before_all_reduce"],
             "scaled_sums_distributed": _collectives["scaled_sums_distributed"],
             "scaled_all_reduces_fused": _collectives["scaled_all_reduces_fused"],
             "moe_combines_fused": len(_moe_combines),

@@ -237,6 +237,81 @@ def test_an_all_reduce_read_elsewhere_is_not_merged(fake_pg):
         assert_close(a, e, torch.bfloat16, "read elsewhere")
 
 
+class DenseExperts(nn.Module):
+    """A dense MoE written by hand and parallelized per expert (torch's RowwiseParallel on each
+    expert's down projection, as a plain per-expert TP plan does): every expert's output is
+    all-reduced, then weighted by the replicated top-k gate and summed, in one of the spellings
+    people write. All of them compute one function: one all-reduce of the gated sum suffices."""
+
+    SPELLINGS = ("loop_from_zero", "python_sum", "zeros_inplace", "first_plus_rest", "stack_sum", "einsum")
+
+    def __init__(self, spelling, residual=True, dtype=torch.bfloat16, experts=E, top_k=2):
+        super().__init__()
+        self.spelling, self.residual, self.top_k = spelling, residual, top_k
+        self.router = nn.Linear(H, experts, bias=False, dtype=dtype)
+        self.experts = nn.ModuleList(nn.Linear(H, H, bias=False, dtype=dtype) for _ in range(experts))
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(H, dtype=dtype))
+
+    def _expert(self, i, x):
+        y = self.experts[i](x)
+        dist.all_reduce(y)
+        return y
+
+    def forward(self, x, residual):
+        probs = self.router(x).softmax(-1)
+        top, index = probs.topk(self.top_k, -1)
+        gate = torch.zeros_like(probs).scatter(-1, index, top)
+        n = len(self.experts)
+        if self.spelling in ("stack_sum", "einsum"):
+            stacked = torch.stack([self._expert(i, x) for i in range(n)], -2)  # [..., E, H]
+            out = (stacked * gate.unsqueeze(-1)).sum(-2) if self.spelling == "stack_sum" \
+                else torch.einsum("bte,bteh->bth", gate, stacked)
+        else:
+            terms = [gate[..., i:i + 1] * self._expert(i, x) for i in range(n)]
+            if self.spelling == "python_sum":
+                out = sum(terms)
+            elif self.spelling == "zeros_inplace":
+                out = torch.zeros_like(x)
+                for t in terms:
+                    out += t
+            else:
+                out = 0 if self.spelling == "loop_from_zero" else terms.pop(0)
+                for t in terms:
+                    out = out + t
+        h = residual + out if self.residual else out
+        return NORMS["hf_llama"][0](h, self.weight, 1e-6), h
+
+
+@pytest.mark.parametrize("spelling", DenseExperts.SPELLINGS)
+def test_a_dense_moe_with_an_all_reduce_per_expert_needs_one(fake_pg, spelling):
+    """E all-reduced experts, gated and summed however it is spelled -> one all-reduce of the gated
+    sum, then the site: the zero a Python sum starts from is dropped, a stack of all-reduces is
+    one all-reduce of the stack, and the weighted sum over the experts (a product and a sum, or
+    an einsum's bmm) moves before it."""
+    fused, left, actual, expected, stats = run(DenseExperts(spelling))
+    assert left == 0 and len(fused) == 1 and stats["fused_sites"] == 1, stats
+    if spelling in ("stack_sum", "einsum"):
+        assert stats["concatenated_all_reduces_merged"] == E - 1
+        assert stats["sums_moved_before_all_reduce" if spelling == "stack_sum"
+                     else "matmuls_moved_before_all_reduce"] == 1
+    else:
+        assert stats["summed_all_reduces_merged"] == stats["gated_all_reduces_merged"] == E - 1
+    for a, e in zip(actual, expected):  # gated terms summed per rank, then reduced: within rounding
+        assert_close(a, e, torch.bfloat16, spelling)
+
+
+@pytest.mark.parametrize("spelling", ["stack_sum", "einsum", "loop_from_zero"])
+def test_a_gated_sum_not_into_a_residual_keeps_its_gate_after_the_all_reduce(fake_pg, spelling):
+    """Without a residual add nothing says the gate is the same on every rank: the stack still
+    becomes one all-reduce (the same values), but the gate and the sum stay after it."""
+    fused, left, actual, expected, stats = run(DenseExperts(spelling, residual=False))
+    assert stats["sums_moved_before_all_reduce"] == stats["matmuls_moved_before_all_reduce"] == 0
+    assert stats["gated_all_reduces_merged"] == 0
+    assert stats["concatenated_all_reduces_merged"] == (E - 1 if spelling != "loop_from_zero" else 0)
+    for a, e in zip(actual, expected):  # Inductor's own order of the gated sum: within its rounding
+        assert_close(a, e, torch.bfloat16, spelling)
+
+
 # ------------------------------------------------------------------ real ranks
 
 
@@ -253,6 +328,18 @@ def _tensor_parallel_gated_expert(rank):
     return model, (torch.randn(1, 6, H, dtype=torch.bfloat16), torch.randn(1, 6, H, dtype=torch.bfloat16))
 
 
+def _tensor_parallel_dense_experts(rank, spelling):
+    """Same router, activations and residual on every rank (so the same gate), expert shards per rank."""
+    torch.manual_seed(0)
+    model = DenseExperts(spelling)
+    torch.manual_seed(100 + rank)
+    with torch.no_grad():
+        for expert in model.experts:
+            expert.weight.normal_(0, H ** -0.5)
+    torch.manual_seed(7)
+    return model, (torch.randn(1, 6, H, dtype=torch.bfloat16), torch.randn(1, 6, H, dtype=torch.bfloat16))
+
+
 def _moe_ends(rank, dynamic):
     torch.manual_seed(0)  # same weights on every rank
     models = [RoutedPlusShared(), RoutedPlusShared(terms=3), RoutedPlusShared(widen=True),
@@ -262,10 +349,13 @@ def _moe_ends(rank, dynamic):
     torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
     inputs = (torch.randn(1, 6, H, dtype=torch.bfloat16), torch.randn(1, 6, H, dtype=torch.bfloat16))
     cases = [(model, inputs) for model in models] + [_tensor_parallel_gated_expert(rank)]
+    cases += [_tensor_parallel_dense_experts(rank, spelling) for spelling in DenseExperts.SPELLINGS]
     for model, args in cases:
         actual, expected, stats = compiled_vs_eager(model, args, dynamic=dynamic)
         assert stats["fused_sites"] == 1 and stats["unfused_sites"] == 0, (type(model).__name__, stats)
-        assert stats["gated_all_reduces_merged"] == getattr(model, "gated", False), stats
+        gated = E - 1 if getattr(model, "spelling", "stack_sum") not in ("stack_sum", "einsum") \
+            else int(getattr(model, "gated", False))
+        assert stats["gated_all_reduces_merged"] == gated, stats
         for a, e in zip(actual, expected):
             assert_close(a, e, torch.bfloat16, type(model).__name__)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_utils import ALL_REDUCE, WAIT
 from .region import CONVERT, by_a_number, is_add, same_shape, value, widened_sum
@@ -37,13 +38,17 @@ from .rewrite import Builder
 
 aten = torch.ops.aten
 REGROUPINGS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+# Ops that move elements without changing them (an all-reduce commutes with each), as an einsum leaves them.
+MOVES = REGROUPINGS | {aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
+                       aten.clone.default}
 
 
-def _reduced_source(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node]] | None:
-    """(all-reduce node, its input, the chain from the sum down to the wait) if `node` is a
-    regrouping of `wait(all_reduce(x, "sum", g))` read only along this chain."""
+def _reduced_source(node: torch.fx.Node, between=REGROUPINGS) -> tuple[torch.fx.Node, torch.fx.Node,
+                                                                         list[torch.fx.Node]] | None:
+    """(all-reduce node, its input, the chain from the sum down to the wait) if `node` is `between`
+    ops (regroupings) of `wait(all_reduce(x, "sum", g))` read only along this chain."""
     chain = []
-    while node.target in REGROUPINGS:
+    while node.target in between:
         chain.append(node)
         if len(node.users) != 1:
             return None
@@ -94,13 +99,25 @@ def _term(node: torch.fx.Node) -> _Term | None:
     return None
 
 
+def _all_reduced_sum(node) -> bool:
+    """Whether `node` is an all-reduced term (`_term`) or a sum of such."""
+    return isinstance(node, torch.fx.Node) and (
+        _term(node) is not None or (is_add(node) and all(_all_reduced_sum(a) for a in node.args)))
+
+
 def _into_residual_stream(node: torch.fx.Node) -> bool:
-    """Whether `node` (through regroupings and products by a nonzero number) is added to something:
-    the residual stream."""
+    """Whether `node` (through moves, products by a nonzero number and sums with other all-reduced
+    terms) is added to something that is not all-reduced: the residual stream. A sum of terms
+    alone proves nothing (`out = t0 + t1 + t2`, returned as it is)."""
     for user in node.users:
         scaled = by_a_number(user)
-        passes = user.target in REGROUPINGS or (scaled is not None and scaled[1] != 0 and math.isfinite(scaled[1]))
-        if user.target is aten.add.Tensor or (passes and _into_residual_stream(user)):
+        passes = user.target in MOVES or (scaled is not None and scaled[1] != 0 and math.isfinite(scaled[1]))
+        if user.target is aten.add.Tensor:
+            other = user.args[1] if user.args[0] is node else user.args[0]
+            passes = _all_reduced_sum(other)
+            if not passes:
+                return True
+        if passes and _into_residual_stream(user):
             return True
     return False
 
@@ -152,8 +169,9 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
 def _merge_residual_first(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     """(r + AR(a)) + AR(b), either order in either add -> r + AR(a + b) (LongCat-Flash's
     `residual + mlp_out + shortcut_moe_out`): regrouped as r + (AR(a) + AR(b)), merged by
-    `_merge_sum_of_two`, or the graph left as it was where that does not merge. Only with r not
-    all-reduced, all three of the sum's shape and dtype, and the inner add read by the outer alone.
+    `_merge_sum_of_two`, or the graph left as it was where that does not merge. Only with r neither
+    all-reduced nor a sum of all-reduced terms (it would pass for the residual stream that proves a
+    gate), all three of the sum's shape and dtype, and the inner add read by the outer alone.
     The regrouping moves one rounding, as the merge itself does (docs/patterns.md)."""
     if not is_add(add):
         return None
@@ -164,7 +182,7 @@ def _merge_residual_first(graph: torch.fx.Graph, add: torch.fx.Node) -> str | No
         for j, first in enumerate(inner.args):
             residual = inner.args[1 - j]
             terms = (_term(first), _term(last))
-            if terms[0] is None or _term(residual) is not None or terms[0].all_reduce is terms[1].all_reduce \
+            if terms[0] is None or _all_reduced_sum(residual) or terms[0].all_reduce is terms[1].all_reduce \
                     or terms[0].all_reduce.args[2] != terms[1].all_reduce.args[2]:
                 continue
             if not all(same_shape(n, add) and value(n).dtype == value(add).dtype for n in (first, last, residual)):
@@ -262,28 +280,125 @@ def _by_a_scalar_tensor(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.No
 
 
 def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
-    """sum(AR(x), dims) -> AR(sum(x, dims))."""
+    """sum([f *] AR(x), dims) -> AR(sum([f *] x, dims)): Llama-4's expert rows, and a dense combine
+    spelled `(stack(experts) * gates).sum(dim)` once `_cat_before_all_reduce` made the stack one
+    all-reduce. A factor f is taken only where the sum goes into the residual stream (the gate
+    rule of `_merge_sum_of_two`: f is then the same on every rank)."""
     if total.target is not aten.sum.dim_IntList or not isinstance(total.args[0], torch.fx.Node):
         return False
-    found = _reduced_source(total.args[0])
-    if found is None:
+    term = _term(total.args[0])
+    if term is None or (term.factor is not None and not _into_residual_stream(total)):
         return False
-    all_reduce, x, chain = found
     build = Builder(graph, total)
-    regrouped = build.reshape(x, total.args[0], [x])
+    regrouped = build.reshape(term.x, term.reduced, [term.x])
     if regrouped is None:
         for node in reversed(build.added):
             graph.erase_node(node)
         return False
+    if term.factor is not None:
+        regrouped = build.call(aten.mul.Tensor, *((term.factor, regrouped) if term.factor_first
+                                                   else (regrouped, term.factor)))
     summed = build.call(aten.sum.dim_IntList, regrouped, *total.args[1:], **total.kwargs)
+    dead = [*term.chain, term.all_reduce]
     # sum(..., dtype=float32) cast straight back: the all-reduce keeps its own dtype.
     (user,) = total.users if len(total.users) == 1 else (None,)
-    if user is not None and user.target is CONVERT and user.args[1] == value(x).dtype:
+    if user is not None and user.target is CONVERT and user.args[1] == value(term.x).dtype:
         summed = build.call(CONVERT, summed, user.args[1])
-        _replace_with_all_reduce(graph, user, build, summed, all_reduce.args[2], [total, *chain, all_reduce])
+        _replace_with_all_reduce(graph, user, build, summed, term.all_reduce.args[2], [total, *dead])
     else:
-        _replace_with_all_reduce(graph, total, build, summed, all_reduce.args[2], [*chain, all_reduce])
+        _replace_with_all_reduce(graph, total, build, summed, term.all_reduce.args[2], dead)
     return True
+
+
+def _cat_before_all_reduce(graph: torch.fx.Graph, cat: torch.fx.Node) -> int:
+    """cat([AR(x1), AR(x2), ...], dim) -> AR(cat([x1, x2, ...], dim)) on one group (`torch.stack`
+    of the experts' all-reduced outputs, a dense MoE under torch's own TP): the same values, one
+    collective instead of one per expert, and the sum over the experts can then move before it.
+    How many all-reduces fewer."""
+    if cat.target is not aten.cat.default or len(cat.args[0]) < 2 or cat.kwargs:
+        return 0
+    found = [_reduced_source(n) if isinstance(n, torch.fx.Node) else None for n in cat.args[0]]
+    if None in found or len({f[0] for f in found}) != len(found) or len({f[0].args[2] for f in found}) != 1 \
+            or len({value(n).dtype for n in cat.args[0]} | {value(cat).dtype}) != 1:
+        return 0
+    build = Builder(graph, cat)
+    parts = [build.reshape(x, like, [x, like]) for (_, x, _), like in zip(found, cat.args[0])]
+    if None in parts:
+        for node in reversed(build.added):
+            graph.erase_node(node)
+        return 0
+    joined = build.call(aten.cat.default, parts, *cat.args[1:])
+    dead = [node for all_reduce, _, chain in found for node in (*chain, all_reduce)]
+    _replace_with_all_reduce(graph, cat, build, joined, found[0][0].args[2], dead)
+    return len(found) - 1
+
+
+def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """mm/bmm(g, moved(AR(x))) (either side) -> AR(mm/bmm(g, moved(x))), g not all-reduced: the
+    combine of a dense MoE spelled as an einsum over the stacked experts (after
+    `_cat_before_all_reduce`). g must be the same on every rank, which the gate rule decides (the
+    product goes into the residual stream), and the product may not be larger than what was
+    all-reduced: the collective moves after the matmul only where that does not grow it."""
+    if node.target not in (aten.mm.default, aten.bmm.default) or node.kwargs:
+        return False
+    for i, operand in enumerate(node.args):
+        found = _reduced_source(operand, MOVES)
+        if found is None or _reduced_source(node.args[1 - i], MOVES) is not None:
+            continue
+        all_reduce, x, chain = found
+        if value(node).dtype != value(x).dtype or not _into_residual_stream(node) \
+                or not statically_known_true(value(node).numel() <= value(x).numel()):
+            return False
+        build = Builder(graph, node)
+        moved = x
+        for step in reversed(chain[:-1]):  # the moves again, from the wait outward, on x
+            moved = build.call(step.target, moved, *step.args[1:], **step.kwargs)
+        args = list(node.args)
+        args[i] = moved
+        _replace_with_all_reduce(graph, node, build, build.call(node.target, *args), all_reduce.args[2],
+                                 [*chain, all_reduce])
+        return True
+    return False
+
+
+def _permute_as_reshape(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """A permute of an all-reduced value (through moves) that only moves size-1 dims, as an einsum
+    leaves them around its bmm, becomes the reshape it is (the same elements in the same order),
+    so that the site's region, which walks regroupings, reaches the residual add behind it."""
+    if node.target is not aten.permute.default:
+        return False
+    source = node.args[0]
+    while source.target in MOVES:
+        source = source.args[0]
+    shape = value(node.args[0]).shape
+    kept = [d for d in node.args[1] if not statically_known_true(shape[d] == 1)]
+    if source.target is not WAIT or kept != sorted(kept):
+        return False
+    build = Builder(graph, node)
+    # Sizes as numbers and at most one -1: a sym_size read of the chain would be one more user of it.
+    regrouped = build.reshape(node.args[0], node, [])
+    if regrouped is None:
+        for added in reversed(build.added):
+            graph.erase_node(added)
+        return False
+    node.replace_all_uses_with(regrouped)
+    graph.erase_node(node)
+    return True
+
+
+def _drop_zero_add(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    """`0 + [f *] AR(x)` -> `[f *] AR(x)`: Python's `sum(experts)`, or `out = 0` before a loop of
+    `out = out + gate * expert(x)`, starts the sum with a number zero that would otherwise keep
+    the first expert's all-reduce out of the merge (x + 0 is x; only a -0 becomes +0)."""
+    if node.target not in (aten.add.Tensor, aten.add.Scalar) or node.kwargs or len(node.args) != 2:
+        return False
+    for term, zero in (node.args, reversed(node.args)):
+        if type(zero) in (int, float) and zero == 0 and isinstance(term, torch.fx.Node) \
+                and _term(term) is not None and same_shape(term, node) and value(term).dtype == value(node).dtype:
+            node.replace_all_uses_with(term)
+            graph.erase_node(node)
+            return True
+    return False
 
 
 def _distribute_a_factor(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
@@ -342,21 +457,29 @@ def _unfold_addmm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
 def merge(graph: torch.fx.Graph) -> dict[str, int]:
     """Apply the rewrites until none applies; how many of each."""
     for node in list(graph.nodes):
-        _unfold_addmm(graph, node)
+        _unfold_addmm(graph, node) or _drop_zero_add(graph, node)
     done = {"summed_all_reduces_merged": 0, "gated_all_reduces_merged": 0, "sums_moved_before_all_reduce": 0,
-            "scaled_sums_distributed": 0}
+            "concatenated_all_reduces_merged": 0, "matmuls_moved_before_all_reduce": 0, "scaled_sums_distributed": 0}
     changed = True
     while changed:
         changed = False
         for node in list(graph.nodes):
             if node._erased:  # by an earlier rewrite of this sweep
                 continue
-            if merged := _merge_sum_of_two(graph, node) or _merge_residual_first(graph, node):
+            if _permute_as_reshape(graph, node):
+                changed = True
+            elif merged := _merge_sum_of_two(graph, node) or _merge_residual_first(graph, node):
                 done["summed_all_reduces_merged"] += 1
                 done["gated_all_reduces_merged"] += merged == "gated"
                 changed = True
             elif _sum_before_all_reduce(graph, node):
                 done["sums_moved_before_all_reduce"] += 1
+                changed = True
+            elif fewer := _cat_before_all_reduce(graph, node):
+                done["concatenated_all_reduces_merged"] += fewer
+                changed = True
+            elif _matmul_before_all_reduce(graph, node):
+                done["matmuls_moved_before_all_reduce"] += 1
                 changed = True
     # After the merges: (AR(a) + AR(b)) * f has become AR(a + b) * f, a scaled site as it stands.
     for node in list(graph.nodes):
