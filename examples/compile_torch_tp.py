@@ -8,7 +8,10 @@ gate/up/down linears, `torch.nn.RMSNorm` norms, residual adds) is parallelized w
 (vocab-parallel), q/k/v/gate/up column-wise, o/down row-wise, the LM head column-wise with a
 replicated output. Each row-parallel output is all-reduced by DTensor; Dynamo turns that into
 `_c10d_functional.all_reduce` + `wait_tensor`, followed by the residual add and the next norm,
-which arfusion fuses. With `--sequence-parallel` (torchtitan's SP plan: `SequenceParallel` norms,
+which arfusion fuses. With `--experts N` the MLP is a dense mixture of N expert MLPs, each
+parallelized like the MLP (so each expert's output is all-reduced: N all-reduces per layer), then
+weighted by a replicated top-2 gate and summed: arfusion turns that into one all-reduce of the
+gated sum per layer, then the same site. With `--sequence-parallel` (torchtitan's SP plan: `SequenceParallel` norms,
 `RowwiseParallel(output_layouts=Shard(1))`, inputs gathered with `PrepareModuleInput`) the
 all-reduce becomes reduce-scatter + all-gather: nothing to fuse, and the output must still
 match the uncompiled model.
@@ -80,13 +83,29 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class DenseMoE(nn.Module):
+    """Every expert runs on every token; the top-k of the router's softmax weights them."""
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int = 2):
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)  # replicated: not in the plan
+        self.experts = nn.ModuleList(MLP(hidden, intermediate) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x):
+        probs = self.router(x).softmax(-1)
+        top, index = probs.topk(self.top_k, -1)
+        gate = torch.zeros_like(probs).scatter(-1, index, top / top.sum(-1, keepdim=True))
+        return sum(gate[..., e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+
+
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, norm: str, eps: float):
+    def __init__(self, hidden: int, heads: int, norm: str, eps: float, experts: int = 0):
         super().__init__()
         self.attention_norm = make_norm(norm, hidden, eps)
         self.attention = Attention(hidden, heads)
         self.ffn_norm = make_norm(norm, hidden, eps)
-        self.mlp = MLP(hidden, 2 * hidden)
+        self.mlp = DenseMoE(hidden, hidden, experts) if experts else MLP(hidden, 2 * hidden)
 
     def forward(self, h):
         h = h + self.attention(self.attention_norm(h))
@@ -94,10 +113,11 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, norm: str, eps: float = 1e-5):
+    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, norm: str, eps: float = 1e-5,
+                 experts: int = 0):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(Block(hidden, heads, norm, eps) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(hidden, heads, norm, eps, experts) for _ in range(layers))
         self.norm = make_norm(norm, hidden, eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
@@ -106,6 +126,12 @@ class Decoder(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.lm_head(self.norm(h))
+
+
+def mlp_names(model: Decoder) -> list[str]:
+    """The MLPs of a layer: `mlp`, or each expert of a dense MoE."""
+    mlp = model.layers[0].mlp
+    return [f"mlp.experts.{e}" for e in range(len(mlp.experts))] if isinstance(mlp, DenseMoE) else ["mlp"]
 
 
 def tp_plan(model: Decoder, sequence_parallel: bool) -> tuple[dict, list[tuple[nn.Module, dict]]]:
@@ -118,9 +144,13 @@ def tp_plan(model: Decoder, sequence_parallel: bool) -> tuple[dict, list[tuple[n
         top = {"embed_tokens": RowwiseParallel(input_layouts=Replicate()),
                "lm_head": ColwiseParallel(output_layouts=Replicate())}
         layer = {f"attention.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
-        layer |= {f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}
-        layer |= {"attention.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        for mlp in mlp_names(model):
+            layer |= {f"{mlp}.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}
+            layer[f"{mlp}.down_proj"] = RowwiseParallel()
+        layer["attention.o_proj"] = RowwiseParallel()
         return top, [(block, layer) for block in model.layers]
+    if len(mlp_names(model)) > 1:
+        raise SystemExit("--experts with --sequence-parallel: not in this example")
     top = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
            "norm": SequenceParallel(),
            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
@@ -143,7 +173,8 @@ def build(args, mesh, device) -> Decoder:
 
     torch.manual_seed(0)
     heads = max(4, 2 * mesh.size())
-    model = Decoder(args.vocab, args.hidden, args.layers, heads, args.norm).to(device, DTYPES[args.dtype])
+    model = Decoder(args.vocab, args.hidden, args.layers, heads, args.norm,
+                    experts=getattr(args, "experts", 0)).to(device, DTYPES[args.dtype])
     with torch.no_grad():  # norm weights away from 1, so a wrongly applied weight shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -172,6 +203,9 @@ def main() -> None:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="torchtitan's SP plan: reduce-scatter + all-gather instead of all-reduce")
     p.add_argument("--dynamic", action="store_true", help="torch.compile(dynamic=True)")
+    p.add_argument("--experts", type=int, default=0,
+                   help="a dense MoE of this many expert MLPs instead of the MLP, each expert parallelized "
+                        "like the MLP (one all-reduce per expert, which arfusion makes one per layer)")
     p.add_argument("--backend", default="auto", choices=["auto", "flashinfer", "aiter", "torch"])
     args = p.parse_args()
 
@@ -215,11 +249,15 @@ def main() -> None:
     else:
         say(f"fused sites: {stats['fused_sites']} of {row_parallel_sites(args)} all-reduce -> norm sites "
             f"{stats['by_pattern']}")
+    merged = stats["summed_all_reduces_merged"] + stats["concatenated_all_reduces_merged"]
+    if args.experts:
+        say(f"expert all-reduces merged: {merged} ({args.experts} per layer became 1)")
     say(f"all-reduces left unfused: {stats.get('unfused_sites')}")
     say(f"fused-op calls by backend: {stats['dispatch']}")
     say(f"max relative output difference vs uncompiled: {rel_diff:.2e} (first compile + run {compile_s:.1f}s)")
     say(json.dumps({"layers": args.layers, "dtype": args.dtype, "norm": args.norm,
                     "sequence_parallel": args.sequence_parallel, "dynamic": args.dynamic, "world": world,
+                    "experts": args.experts, "all_reduces_merged": merged,
                     "sites": row_parallel_sites(args), "fused_sites": stats["fused_sites"],
                     "by_pattern": stats["by_pattern"], "unfused_sites": stats.get("unfused_sites"),
                     "dispatch": stats["dispatch"], "max_rel_diff": rel_diff}))

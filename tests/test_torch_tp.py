@@ -84,9 +84,13 @@ def test_sequence_parallel_is_left_unfused_and_logged():
     run_workers(_sequence_parallel_left_alone, 2)
 
 
-def test_example_script_via_torchrun():
+@pytest.mark.parametrize("experts", [0, 4])
+def test_example_script_via_torchrun(experts):
+    """With --experts, each expert's output is all-reduced by DTensor (4 per layer): the pass makes
+    them one all-reduce of the gated sum, which then fuses like the MLP's."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           str(EXAMPLE), "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--backend", "torch"]
+           str(EXAMPLE), "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--backend", "torch",
+           "--experts", str(experts)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -94,4 +98,5 @@ def test_example_script_via_torchrun():
     sites = 2 * LAYERS + 1
     assert result["sites"] == sites and result["fused_sites"] == sites, result
     assert result["dispatch"] == {"torch": sites}, result
+    assert result["all_reduces_merged"] == LAYERS * max(experts - 1, 0), result
     assert result["max_rel_diff"] < 2e-2, result  # bf16 noise
