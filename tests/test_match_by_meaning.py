@@ -238,25 +238,35 @@ class EmbeddingScaled(Site):
         super().__init__(NORMS["hf_llama"][0])
         self.register_buffer("normaliser", torch.tensor(H ** 0.5, dtype=torch.bfloat16))
         self.residual_after = residual_after
+        self.sublayer = nn.Linear(H, H, bias=False, dtype=torch.bfloat16)
 
     def forward(self, x, residual):
         y = self.proj(x)
         dist.all_reduce(y)
         h = y * self.normaliser
         normed = self.norm(h, self.weight, self.eps)
+        if self.residual_after == "sublayer":  # layer 0 as a model runs it: h + AR(o_proj(...)) -> norm
+            out = self.sublayer(normed)
+            dist.all_reduce(out)
+            h = h + out
+            return normed, self.norm(h, self.weight, self.eps), h
         return (normed, h + residual) if self.residual_after else (normed, h * 2)
 
 
 @pytest.mark.parametrize("spelling, module", [
     ("0-d constant", lambda: Site(NORMS["hf_llama"][0], residual=lambda r, y: r + y * torch.tensor(0.22, dtype=y.dtype))),
     ("0-d buffer (Gemma's embedding normaliser)", EmbeddingScaled),
+    # The residual stream is added to the next sublayer's all-reduced output, as in every layer
+    # of a real model (a stricter rule that wanted a non-all-reduced operand lost this site).
+    ("0-d buffer, then the next sublayer", lambda: EmbeddingScaled(residual_after="sublayer")),
 ])
 def test_an_all_reduce_scaled_by_a_0d_tensor_in_the_residual_stream_fuses(fake_pg, spelling, module):
     """The tensor is the same on every rank where the product goes into the residual stream (as a
     gate in a merged sum): the op takes it as input_scale_tensor."""
     arfusion.reset_stats()
     fused, left, actual, expected, stats = run(module())
-    assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
+    sites = 2 if "sublayer" in spelling else 1
+    assert len(fused) == sites and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
     assert isinstance(fused[0][-1], torch.fx.Node) and fused[0][-2] == 1.0  # input_scale_tensor, input_scale
     assert_matches_eager(actual, expected)
 

@@ -99,25 +99,13 @@ def _term(node: torch.fx.Node) -> _Term | None:
     return None
 
 
-def _all_reduced_sum(node) -> bool:
-    """Whether `node` is an all-reduced term (`_term`) or a sum of such."""
-    return isinstance(node, torch.fx.Node) and (
-        _term(node) is not None or (is_add(node) and all(_all_reduced_sum(a) for a in node.args)))
-
-
 def _into_residual_stream(node: torch.fx.Node) -> bool:
-    """Whether `node` (through moves, products by a nonzero number and sums with other all-reduced
-    terms) is added to something that is not all-reduced: the residual stream. A sum of terms
-    alone proves nothing (`out = t0 + t1 + t2`, returned as it is)."""
+    """Whether `node` (through moves and products by a nonzero number) is added to something:
+    the residual stream."""
     for user in node.users:
         scaled = by_a_number(user)
         passes = user.target in MOVES or (scaled is not None and scaled[1] != 0 and math.isfinite(scaled[1]))
-        if user.target is aten.add.Tensor:
-            other = user.args[1] if user.args[0] is node else user.args[0]
-            passes = _all_reduced_sum(other)
-            if not passes:
-                return True
-        if passes and _into_residual_stream(user):
+        if user.target is aten.add.Tensor or (passes and _into_residual_stream(user)):
             return True
     return False
 
@@ -169,9 +157,8 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
 def _merge_residual_first(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     """(r + AR(a)) + AR(b), either order in either add -> r + AR(a + b) (LongCat-Flash's
     `residual + mlp_out + shortcut_moe_out`): regrouped as r + (AR(a) + AR(b)), merged by
-    `_merge_sum_of_two`, or the graph left as it was where that does not merge. Only with r neither
-    all-reduced nor a sum of all-reduced terms (it would pass for the residual stream that proves a
-    gate), all three of the sum's shape and dtype, and the inner add read by the outer alone.
+    `_merge_sum_of_two`, or the graph left as it was where that does not merge. Only with r not
+    all-reduced, all three of the sum's shape and dtype, and the inner add read by the outer alone.
     The regrouping moves one rounding, as the merge itself does (docs/patterns.md)."""
     if not is_add(add):
         return None
@@ -182,7 +169,7 @@ def _merge_residual_first(graph: torch.fx.Graph, add: torch.fx.Node) -> str | No
         for j, first in enumerate(inner.args):
             residual = inner.args[1 - j]
             terms = (_term(first), _term(last))
-            if terms[0] is None or _all_reduced_sum(residual) or terms[0].all_reduce is terms[1].all_reduce \
+            if terms[0] is None or _term(residual) is not None or terms[0].all_reduce is terms[1].all_reduce \
                     or terms[0].all_reduce.args[2] != terms[1].all_reduce.args[2]:
                 continue
             if not all(same_shape(n, add) and value(n).dtype == value(add).dtype for n in (first, last, residual)):
