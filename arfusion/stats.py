@@ -76,9 +76,8 @@ def stats() -> dict:
     gated_all_reduces_merged of them with a factor, AR(a) + f * AR(b) -> AR(a + f * b))
     sums_moved_before_all_reduce (sum([f *] AR(x)) rewritten as AR(sum([f *] x))),
     concatenated_all_reduces_merged (cat/stack of n all-reduces rewritten as one: n - 1 each),
-    matmuls_moved_before_all_reduce (bmm(g, AR(x)) rewritten as AR(bmm(g, x)), g replicated: an einsum combine),
-    scaled_sums_distributed
-    ((AR(a) + b) * f rewritten as AR(a) * f + b * f, b replicated: Granite-4's MoE layers) and
+    matmuls_moved_before_all_reduce (bmm(g, AR(x)) rewritten as AR(bmm(g, x)), g replicated: an
+    einsum combine), scaled_sums_distributed ((AR(a) + b) * f rewritten as AR(a) * f + b * f, b replicated: Granite-4's MoE layers) and
     scaled_all_reduces_fused (f * AR(x), e.g. Granite's multiplier: sites whose op took f).
     moe_combines_fused counts the fused sites whose op also took in the MoE top-k combine in
     front of the all-reduce (arfusion::moe_combine_allreduce_rmsnorm), counted like fused_sites.

@@ -376,8 +376,9 @@ class FlashInferBackend(Backend):
 
     def prepare_moe_combine(self, call: Call) -> str | None:
         """The finalize kernel's two workspaces (`FinalizeWorkspaces`), sized for the dispatch
-        table's token cap (after `prepare`, which made the ordinary one): made like the ordinary one (collectively, outside graph pools, never
-        during capture); a failure leaves the combine to torch, not the whole group unfused."""
+        table's token cap (after `prepare`, which made the ordinary one): made like the ordinary
+        one (collectively, outside graph pools, never during capture); a failure leaves the
+        combine to torch, not the whole group unfused."""
         state = self._groups.current(call.group_name)
         if state.finalize_failed:
             return state.finalize_failed

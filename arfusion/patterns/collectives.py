@@ -139,8 +139,7 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
             part = build.call(aten.mul.Tensor, *((t.factor, part) if t.factor_first else (part, t.factor)))
         parts.append(None if part is None else build.reshape(part, add, sources))
     if None in parts:
-        for node in reversed(build.added):
-            graph.erase_node(node)
+        build.undo()
         return None
     if widened:
         wide = value(add).dtype
@@ -279,8 +278,7 @@ def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     build = Builder(graph, total)
     regrouped = build.reshape(term.x, term.reduced, [term.x])
     if regrouped is None:
-        for node in reversed(build.added):
-            graph.erase_node(node)
+        build.undo()
         return False
     if term.factor is not None:
         regrouped = build.call(aten.mul.Tensor, *((term.factor, regrouped) if term.factor_first
@@ -311,8 +309,7 @@ def _cat_before_all_reduce(graph: torch.fx.Graph, cat: torch.fx.Node) -> int:
     build = Builder(graph, cat)
     parts = [build.reshape(x, like, [x, like]) for (_, x, _), like in zip(found, cat.args[0])]
     if None in parts:
-        for node in reversed(build.added):
-            graph.erase_node(node)
+        build.undo()
         return 0
     joined = build.call(aten.cat.default, parts, *cat.args[1:])
     dead = [node for all_reduce, _, chain in found for node in (*chain, all_reduce)]
@@ -365,8 +362,7 @@ def _permute_as_reshape(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     # Sizes as numbers and at most one -1: a sym_size read of the chain would be one more user of it.
     regrouped = build.reshape(node.args[0], node, [])
     if regrouped is None:
-        for added in reversed(build.added):
-            graph.erase_node(added)
+        build.undo()
         return False
     node.replace_all_uses_with(regrouped)
     graph.erase_node(node)

@@ -46,6 +46,12 @@ class Builder:
         self.added.append(node)
         return node
 
+    def undo(self) -> None:
+        """Erase every node this builder added (a rewrite that gave up half-way)."""
+        for node in reversed(self.added):
+            self.graph.erase_node(node)
+        self.added.clear()
+
     def reshape(self, node: torch.fx.Node, like: torch.fx.Node, sources: list[torch.fx.Node]) -> torch.fx.Node | None:
         """`node` reshaped to `like`'s shape (None if a symbolic size cannot be named)."""
         if same_shape(node, like):
@@ -118,7 +124,7 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     x = build.reshape(region.x, norm_out, sources) if combine is None else region.x
     terms = [build.reshape(r, like, sources) for r in site.residuals]
     if x is None or None in terms:
-        _undo(graph, build)
+        build.undo()
         return False
     residual = None
     for term in terms:  # several terms (an MoE shared expert's output): summed before the op
@@ -136,7 +142,7 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
         shared = None if combine.shared is None else build.reshape(combine.shared, combine.nodes[-1],
                                                                    [*sources, combine.shared])
         if combine.shared is not None and shared is None:
-            _undo(graph, build)
+            build.undo()
             return False
         scales = (combine.routed_scale, region.input_scale)
         fused = build.call(MOE_OP, combine.rows, combine.scale, combine.index, combine.top_k,
@@ -149,7 +155,7 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     for node, role in site.exits:
         new = build.reshape(produced[role], node, [*sources, node])
         if new is None or value(new).dtype != value(node).dtype:
-            _undo(graph, build)
+            build.undo()
             return False
         replacements.append((node, new))
     for node, new in replacements:
@@ -166,8 +172,3 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     if any(order[n] > order[anchor] for n in inputs):
         stable_topological_sort(graph)  # an input defined after the site's first output (Gemma's 1 + w)
     return True
-
-
-def _undo(graph: torch.fx.Graph, build: Builder) -> None:
-    for node in reversed(build.added):
-        graph.erase_node(node)
