@@ -28,6 +28,9 @@ TINY: dict[str, Any] = {
     "intermediate_size_mlp": 2 * HIDDEN,
     "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB, "max_position_embeddings": 512,
     "original_max_position_embeddings": 512, "model_max_length": 512,
+    # GPT-2-style names (GPT-J, CodeGen): no attribute map in to_dict().
+    "n_embd": HIDDEN, "n_layer": LAYERS, "n_head": HEADS, "n_positions": 512, "n_ctx": 512,
+    "rotary_dim": HEAD_DIM // 2,
     # MoE: 4 experts, top-2, one shared expert, small expert MLPs (sharded over TP=2).
     "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "moe_shared_expert_intermediate_size": 64, "shared_intermediate_size": 64,
@@ -47,7 +50,7 @@ TINY: dict[str, Any] = {
     # Mamba (expand 2 x hidden 128 = 8 heads x 32).
     "mamba_n_heads": 8, "mamba_num_heads": 8, "mamba_d_head": 32, "mamba_head_dim": 32,
     "mamba_d_state": 16, "ssm_state_size": 16, "mamba_dt_rank": 16, "mamba_chunk_size": 16,
-    "chunk_size": 16, "n_groups": 2, "mamba_n_groups": 2,
+    "chunk_size": 16, "n_groups": 2, "mamba_n_groups": 2, "mamba_d_ssm": 2 * HIDDEN,
     # Per-layer inputs, LAuReL, AltUp (Gemma3n).
     "laurel_rank": 16, "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB,
     "num_kv_shared_layers": 0,
@@ -83,6 +86,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # A routed scaling factor other than the default 1.0 (an identity Inductor drops), so that the
     # routed term is scaled before it meets the shared one (DeepSeek-V3 ships 2.5).
     "laguna": {"moe_routed_scaling_factor": 2.5},
+    # Dory (nGPT-style looped model): input, recurrent and output sections must add up to the
+    # layers; one layer each of input and recurrent (looped twice), every layer an attention one.
+    "dory": {"layer_types": ["sliding_attention", "full_attention"], "n_input_layers": 1,
+             "n_recurrent_layers": 1, "n_output_layers": 0, "n_recurrent_loops": 2},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
 }
 
@@ -117,7 +124,7 @@ def _shrink_layer_override(values: dict, mla: bool) -> dict:
 def shrink(d: dict, model_type: str | None = None) -> dict:
     """Tiny values for a config dict (nested sub-configs shrunk too)."""
     d = copy.deepcopy(d)
-    layers = d.get("num_hidden_layers") or d.get("num_layers") or LAYERS
+    layers = d.get("num_hidden_layers") or d.get("num_layers") or d.get("n_layer") or LAYERS
     per_layer = _per_layer_lists(d, layers)
     # Heterogeneous configs (Gemma4's global layers, dots3): {"05": {"head_dim": 512}, ...}.
     layer_overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
@@ -162,4 +169,9 @@ def tiny_config(model_type: str):
     d = shrink(default.to_dict(), model_type)
     d.pop("model_type", None)
     d.pop("transformers_version", None)
-    return AutoConfig.for_model(model_type, **d)
+    config = AutoConfig.for_model(model_type, **d)
+    # A config spelled with names this table lacks would run full-size (minutes per compile).
+    hidden = getattr(config.get_text_config(), "hidden_size", HIDDEN)
+    if hidden > 4 * HIDDEN:
+        raise ValueError(f"{model_type}: hidden size {hidden} was not shrunk (add its attribute names to TINY)")
+    return config

@@ -72,6 +72,10 @@ LOOKALIKES = {
                              "does not match"),
     "eps_as_a_floor": (lambda h, w, eps: w * (h.float() * torch.rsqrt(_ms(h.float()).clamp_min(eps))).to(h.dtype),
                        "does not match"),
+    # nGPT / Dory: onto the unit sphere, x / ||x||: RMSNorm / sqrt(hidden) (unlisted)
+    "l2_norm_ngpt": (lambda h, w, eps: (h.float() * torch.rsqrt(h.float().pow(2).sum(-1, keepdim=True) + eps))
+                     .to(h.dtype), "L2 norm"),
+    "functional_normalize_weighted": (lambda h, w, eps: w * F.normalize(h.float(), dim=-1).to(h.dtype), "L2 norm"),
 }
 
 
@@ -108,7 +112,7 @@ class Site(nn.Module):
         return (*self.quant(self, normed), h)
 
 
-def run(module, dtype=torch.bfloat16, lead=(2, 5), dynamic=False, quant_forms=None):
+def run(module, dtype=torch.bfloat16, lead=(2, 5), dynamic=False, quant_forms=None, inputs=None):
     """Compile with the pass (fake group); (fused-op args, all_reduces left, compiled outputs,
     eager outputs, stats)."""
     seen = {}
@@ -121,7 +125,7 @@ def run(module, dtype=torch.bfloat16, lead=(2, 5), dynamic=False, quant_forms=No
                                  **({} if quant_forms is None else {"quant_forms": quant_forms}))
     options = {"post_grad_custom_post_pass": ChainedPass([ArFusionPass(config), inspect])}
     torch.manual_seed(0)
-    x, r = torch.randn(*lead, H, dtype=dtype), torch.randn(*lead, H, dtype=dtype)
+    x, r = inputs or (torch.randn(*lead, H, dtype=dtype), torch.randn(*lead, H, dtype=dtype))
     with torch.no_grad():
         expected = module(x, r)
         actual = torch.compile(module, options=options, dynamic=dynamic)(x, r)
@@ -198,6 +202,26 @@ def test_lookalikes_stay_unfused_and_say_why(fake_pg, caplog, name):
     assert fused == [] and left == 1
     assert any(words in r for r in stats["why_not"]), stats["why_not"]
     assert "not fused" in caplog.text
+
+
+def test_hyper_connection_streams_are_named(fake_pg):
+    """DeepSeek-V4 / Qwen4-exp: the all-reduced output is weighted into k residual streams per
+    token, and each stream is normed on its own: no site, and the reason says so."""
+    k = 4
+
+    class HyperConnected(Site):
+        def forward(self, x, streams):
+            y = self.proj(x)
+            dist.all_reduce(y)
+            post = torch.sigmoid(x[..., :k].float()).to(y.dtype)  # per token and stream
+            h = streams + post.unsqueeze(-1) * y.unsqueeze(-2)
+            return self.norm(h, self.weight, self.eps), h
+
+    module = HyperConnected(NORMS["hf_llama"][0])
+    x = torch.randn(2, 5, H, dtype=torch.bfloat16)
+    fused, left, _, _, stats = run(module, inputs=(x, torch.randn(2, 5, k, H, dtype=torch.bfloat16)))
+    assert fused == [] and left == 1
+    assert any(f"into {k} streams" in r for r in stats["why_not"]), stats["why_not"]
 
 
 def test_a_graph_break_between_all_reduce_and_norm_is_named(fake_pg):

@@ -36,6 +36,12 @@ aten, prims = torch.ops.aten, torch.ops.prims
 _MEMO_SIZE = 256
 SCALED_REASON = "the all-reduced value is scaled before the residual add / norm (e.g. Granite's multiplier)"
 LAYERNORM_REASON = "the norm subtracts the mean (LayerNorm), it is not an RMSNorm"
+# x / ||x|| = RMSNorm(x) / sqrt(hidden): the kernels' weight is in the activation dtype, where
+# 1/sqrt(hidden) rounds (exact only for powers of 4), so the product would not be exact.
+L2_REASON = ("the norm divides by the L2 norm (x/||x||, nGPT), not by the RMS: that is RMSNorm times "
+             "1/sqrt(hidden), which the fused kernels' weight cannot carry exactly")
+STREAMS_REASON = ("the all-reduced value is multiplied into {k} streams before any norm (hyper-connections: "
+                  "each stream has its own per-token weight), not all_reduce [+ residual] -> RMSNorm")
 
 
 @dataclass(frozen=True)
@@ -293,6 +299,9 @@ class Classifier:
             return Plan(reason="the all-reduced tensor has no token dim")
         candidates = [i for i in range(self.region_size - 1, 0, -1) if self._may_be_norm_output(i)]
         if not candidates:
+            streams = self._broadcast_streams()
+            if streams:
+                return Plan(reason=STREAMS_REASON.format(k=streams))
             if enc.region.hints:
                 return Plan(reason=f"no RMSNorm over the hidden dim reads the all-reduced value "
                                    f"({'; '.join(enc.region.hints)})")
@@ -309,6 +318,18 @@ class Classifier:
                 return replace(plan, quant=self._quant(plan) if self.quant_forms else None)
             reasons.append(plan.reason)
         return Plan(reason=_most_telling(reasons))
+
+    def _broadcast_streams(self) -> int:
+        """k > 1 where a product in the region spreads the all-reduced value over k copies of
+        itself (DeepSeek-V4's `post * AR(x).unsqueeze(-2)`), else 0."""
+        size = self.tokens * self.hidden
+        for node in self.enc.nodes[1:self.region_size]:
+            val = value(node)
+            if node.target is aten.mul.Tensor and isinstance(val, torch.Tensor) and val.dim() > 0:
+                numel = math.prod(hinted_shape(node))
+                if numel > size and numel % size == 0 and hinted_shape(node)[-1] == self.hidden:
+                    return numel // size
+        return 0
 
     def _may_be_norm_output(self, i: int) -> bool:
         node = self.enc.nodes[i]
@@ -398,6 +419,8 @@ class Classifier:
                 return SCALED_REASON if self._scaled_start() else "a scalar input other than eps changes the norm"
             break
         else:
+            if self._is_l2_norm(h64, w64, exact_outputs, kinds):
+                return L2_REASON
             return self._not_rms_reason(site)
         # With the real dtypes: within the rounding of the fused kernels, which normalise the
         # rounded residual sum in fp32 and round once.
@@ -420,6 +443,15 @@ class Classifier:
             return int((reference.rms_norm(h_rounded, w_real, eps, norm) != y_real).sum())
 
         return min(forms.NORM_FORMS_BY_WEIGHT[kind], key=mismatches), eps, probe, env
+
+    def _is_l2_norm(self, h64, w64, exact_outputs, kinds) -> bool:
+        for kind in kinds:
+            factor = forms.weight_factor(kind, w64) * self.hidden ** -0.5
+            solved = [forms.solve_eps(h64, y64, factor) for y64 in exact_outputs]
+            if all(e is not None and forms.close_exact(y64, forms.exact_rms(h64, factor, e))
+                   for e, y64 in zip(solved, exact_outputs)):
+                return True
+        return False
 
     def _written_eps(self, site, solved: float) -> float:
         """The float literal of the site that `solved` recovered (exact, as the model wrote it),
