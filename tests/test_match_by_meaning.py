@@ -224,17 +224,35 @@ def test_hyper_connection_streams_are_named(fake_pg):
     assert any(f"into {k} streams" in r for r in stats["why_not"]), stats["why_not"]
 
 
-def test_a_graph_break_between_all_reduce_and_norm_is_named(fake_pg):
-    class Broken(Site):
-        def forward(self, x, residual):
-            y = self.proj(x)
-            dist.all_reduce(y)
-            h = residual + y
-            torch._dynamo.graph_break()  # e.g. an .item() in an MoE expert loop (LongCat-Flash)
-            return self.norm(h, self.weight, self.eps), h
+class GraphBreakBeforeNorm(Site):
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = residual + y
+        torch._dynamo.graph_break()  # e.g. an .item() in an MoE expert loop (LongCat-Flash)
+        return self.norm(h, self.weight, self.eps), h
 
-    fused, left, _, _, stats = run(Broken(NORMS["hf_llama"][0]))
+
+class ReadByCumsum(Site):
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        return torch.cumsum(residual + y, dim=-1)  # no norm: an op the region does not enter
+
+
+def test_a_graph_break_between_all_reduce_and_norm_is_named(fake_pg):
+    fused, left, _, _, stats = run(GraphBreakBeforeNorm(NORMS["hf_llama"][0]))
     assert stats["fused_sites"] == 0 and any("graph break" in r for r in stats["why_not"]), stats["why_not"]
+
+
+def test_the_reason_does_not_depend_on_what_was_compiled_before(fake_pg):
+    """Decisions are memoised by the region's computation: the same all-reduce + add read by
+    another op first, then returned by the graph, must still name the graph break."""
+    run(ReadByCumsum(NORMS["hf_llama"][0]))
+    torch._dynamo.reset()
+    arfusion.reset_stats()
+    fused, left, _, _, stats = run(GraphBreakBeforeNorm(NORMS["hf_llama"][0]))
+    assert any("graph break" in r for r in stats["why_not"]), stats["why_not"]
 
 
 # f * AR(y) before the add (Granite's residual multiplier, MiniCPM's depth scale): the site starts at

@@ -167,8 +167,10 @@ class Encoding:
         node = self.nodes[i]
         val = value(node)
         meta = (str(val.dtype), hinted_shape(node), val.device.type) if isinstance(val, torch.Tensor) else repr(val)
-        # Which outputs are read outside the region decides the site's exits.
-        read_outside = any(u not in self.region.members for u in node.users)
+        # Which outputs are read outside the region decides the site's exits; being the graph's
+        # output also decides the reason given when no norm follows (a graph break, likely).
+        read_outside = ("graph output" if any(u.op == "output" for u in node.users)
+                        else any(u not in self.region.members for u in node.users))
         if i in self.roots:
             return ("input", meta)
         if i == 0:
