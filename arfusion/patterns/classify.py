@@ -601,7 +601,7 @@ _memo: "OrderedDict[tuple, Plan]" = OrderedDict()
 def find_site(region: Region, quant_forms: tuple[str, ...]) -> Site | str:
     """The site `region` computes, or why it is none."""
     enc = Encoding(region)
-    key = (enc.key, quant_forms)
+    key = (enc.key, quant_forms, tuple(region.hints))  # hints name nodes outside the region
     plan = _memo.get(key)
     if plan is None:
         device = value(region.start).device
