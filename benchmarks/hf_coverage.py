@@ -608,11 +608,7 @@ def driver_main(args) -> int:
     previous = {r["model_type"]: r for r in report["rows"]}
     print(f"{len(wanted)} architectures ({len(to_run)} to run), timeout {args.timeout:.0f} s each; "
           f"rank logs in {args.log}", file=sys.stderr)
-    started = time.time()
-    results = sweep(to_run, args.timeout, Path(args.log), show_progress=not args.quiet) if to_run else {}
-    wall = time.time() - started
-    fresh = {m: ({"model_type": m, "error": skipped[m]} if m in skipped else results[m]) for m in wanted}
-    rows = [fresh.get(m, r) for m, r in previous.items()] + [r for m, r in fresh.items() if m not in previous]
+    # The code the ranks import is the tree's at the start (commits made during a sweep do not count).
     commit = os.environ.get("HF_COVERAGE_COMMIT")  # a run from an exported tree names its commit
     if not commit:
         try:
@@ -620,13 +616,19 @@ def driver_main(args) -> int:
                                     text=True).stdout.strip() or "?"
         except OSError:
             commit = "?"
+    date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    started = time.time()
+    results = sweep(to_run, args.timeout, Path(args.log), show_progress=not args.quiet) if to_run else {}
+    wall = time.time() - started
+    fresh = {m: ({"model_type": m, "error": skipped[m]} if m in skipped else results[m]) for m in wanted}
+    rows = [fresh.get(m, r) for m, r in previous.items()] + [r for m, r in fresh.items() if m not in previous]
     import arfusion
 
     command = "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else "")
     if args.update:
         command = f"{report['meta']['command']}, then {command} --update"
     meta = {"command": command,
-            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "wall_s": round(wall, 1),
+            "date": date, "wall_s": round(wall, 1),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "arfusion": arfusion.__version__, "commit": commit, "machine": _machine(), "timeout_s": args.timeout}
     write_reports(rows, Path(args.md), Path(args.json), meta)
