@@ -145,11 +145,17 @@ class ArFusionPass(CustomGraphPass):
             return "none", "zero tokens (an empty batch): nothing to fuse"
         order = {n: i for i, n in enumerate(graph.nodes)}
         scaled = patterns.scaled_all_reduce(start)
+        as_product = ("none", "")
         if scaled is not None:  # f * AR(x): first as a site of the product, the op taking f
-            outcome = self._fuse_region(graph, patterns.grow(start, order, scaled), all_reduce, site_key)
-            if outcome[0] != "none":  # fused, or a site the backend declined (its reason, e.g. a size cap)
-                return outcome
-        return self._fuse_region(graph, patterns.grow(start, order), all_reduce, site_key)
+            as_product = self._fuse_region(graph, patterns.grow(start, order, scaled), all_reduce, site_key)
+            if as_product[0] != "none":  # fused, or a site the backend declined (its reason, e.g. a size cap)
+                return as_product
+        outcome = self._fuse_region(graph, patterns.grow(start, order), all_reduce, site_key)
+        if outcome == ("none", patterns.SCALED_REASON) and as_product[1]:
+            # The product's site is the one the model computes: why it failed says more (HRM's
+            # scaled embedding is also read by a later add) than "it is scaled".
+            return "none", f"scaled all-reduce (f * AR(x)): {as_product[1]}"
+        return outcome
 
     def _fuse_region(self, graph: torch.fx.Graph, region, all_reduce: torch.fx.Node,
                      site_key: str) -> tuple[str, str]:

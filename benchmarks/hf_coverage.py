@@ -521,6 +521,13 @@ column then shows.
 """
 
 
+def with_update(meta: dict, run: dict, rows: list[str]) -> dict:
+    """The report's meta after `run` (--update) reran `rows`: the other rows are still the first
+    sweep's, so its header stays and each update says which rows it reran, from which tree."""
+    update = {**run, "command": f"{run['command']} --update", "rows": rows}
+    return {**meta, "updates": [*meta.get("updates", []), update]}
+
+
 def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
     s = summary(rows)
     js.parent.mkdir(parents=True, exist_ok=True)
@@ -537,6 +544,9 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
     w(f"- date: {meta['date']}; wall time {meta['wall_s'] / 60:.1f} min\n")
     w(f"- torch {meta['torch']}, transformers {meta['transformers']}, arfusion {meta['arfusion']} "
       f"(commit {meta['commit']})\n")
+    for u in meta.get("updates", []):
+        w(f"- rows {', '.join(f'`{m}`' for m in u['rows'])} rerun: `{u['command']}`, {u['date']}, "
+          f"{u['wall_s'] / 60:.1f} min, torch {u['torch']}, transformers {u['transformers']} (commit {u['commit']})\n")
     w(f"- machine: {meta['machine']}; TP=2 on gloo, bf16, random weights, 2 layers, hidden 128, "
       f"1 × {TOKENS} tokens; each model loaded with `tp_plan=\"auto\"`, then "
       "`arfusion.hf.prepare_for_compile(model)` as the README asks of users (it removes graph "
@@ -625,12 +635,12 @@ def driver_main(args) -> int:
     import arfusion
 
     command = "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else "")
+    run = {"command": command, "date": date, "wall_s": round(wall, 1), "torch": torch.__version__,
+           "transformers": transformers.__version__, "arfusion": arfusion.__version__, "commit": commit}
     if args.update:
-        command = f"{report['meta']['command']}, then {command} --update"
-    meta = {"command": command,
-            "date": date, "wall_s": round(wall, 1),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "arfusion": arfusion.__version__, "commit": commit, "machine": _machine(), "timeout_s": args.timeout}
+        meta = with_update(report["meta"], run, sorted(fresh))
+    else:
+        meta = {**run, "machine": _machine(), "timeout_s": args.timeout}
     write_reports(rows, Path(args.md), Path(args.json), meta)
     s = summary(rows)
     print(f"{s['architectures']} architectures, {s['sites']} sites, {s['fused']} fused, {s['fully_fused']} fully "

@@ -111,6 +111,22 @@ def test_table_rows_and_summary(sweep):
     assert hf_coverage.table_row(sweep["rows"]["llama"]) in md
 
 
+def test_an_update_keeps_the_sweeps_header_and_names_what_it_reran(sweep, tmp_path):
+    first = sweep["data"]["meta"]
+    run = {**first, "command": "python benchmarks/hf_coverage.py --only llama", "date": "2030-01-02 03:04",
+           "wall_s": 30.0, "commit": "abc1234"}
+    meta = hf_coverage.with_update(first, run, ["llama"])
+    meta = hf_coverage.with_update(meta, {**run, "commit": "def5678"}, ["olmo2"])
+    md, js = tmp_path / "c.md", tmp_path / "c.json"
+    hf_coverage.write_reports(sweep["data"]["rows"], md, js, meta)
+    text = md.read_text()
+    assert f"- date: {first['date']};" in text and f"(commit {first['commit']})" in text
+    assert "- rows `llama` rerun: `python benchmarks/hf_coverage.py --only llama --update`, 2030-01-02 03:04, " \
+           "0.5 min" in text and "(commit abc1234)" in text
+    assert "- rows `olmo2` rerun:" in text and "(commit def5678)" in text
+    assert json.loads(js.read_text())["meta"]["updates"][1]["rows"] == ["olmo2"]
+
+
 def test_a_hung_architecture_is_killed_and_recorded(tmp_path):
     """One rank hangs: the driver kills the pair past --timeout, records the row, leaves no rank behind."""
     md, js = tmp_path / "c.md", tmp_path / "c.json"

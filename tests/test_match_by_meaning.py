@@ -389,6 +389,28 @@ def test_intermediate_read_elsewhere_stays_unfused(fake_pg):
     assert fused == [] and left == 1 and any("outside the site" in r for r in stats["why_not"])
 
 
+@pytest.mark.parametrize("factor", [None, 50.0])
+def test_an_all_reduced_value_read_elsewhere_stays_unfused_and_says_so(fake_pg, factor):
+    """HRM's embedding: e = AR(y) * 50 is added to a replicated state and normed, and e itself is
+    added again later. The kernels return only the sum, so the site stays; the reason names the
+    other reader, not the scaling (which alone would fuse)."""
+    class ReadTwice(Site):
+        def forward(self, x, residual):
+            y = self.proj(x)
+            dist.all_reduce(y)
+            e = y if factor is None else y * factor
+            h = residual + e
+            return self.norm(h, self.weight, self.eps), h, e * 3
+
+    arfusion.reset_stats()
+    fused, left, actual, expected, stats = run(ReadTwice(NORMS["hf_llama"][0]))
+    assert fused == [] and left == 1, stats
+    (reason,) = stats["why_not"]
+    assert "itself is also read elsewhere" in reason and ("f * AR(x)" in reason) == (factor is not None), reason
+    for a, e in zip(actual, expected):
+        assert_close(a, e, torch.bfloat16, "read elsewhere")
+
+
 def test_a_weight_it_cannot_take_stays_outside_the_site(fake_pg):
     """(w * w) * norm(h): the weightless norm is a site; the multiply runs after the fused op."""
     def squared_weight(h, w, eps):
