@@ -78,10 +78,10 @@ for s in "$@"; do
     prefill4) stage prefill4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases prefill --tag prefill \
       --out "$OUT" ;;
     # MoE (issue 13): Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, fewer layers, decode + accuracy.
-    moe2) stage moe2-qwen3 "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type qwen3_moe \
-        --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT"
-      stage moe2-dsv2 "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type deepseek_v2 \
-        --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT" ;;
+    moe2) for model in ${MOE_MODELS:-qwen3_moe deepseek_v2}; do
+        stage "moe2-$model" "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type "$model" \
+          --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT"
+      done ;;
     # The same with FlashInfer's MoE finalize kernel opted in (off by default: it can hang when ranks
     # drift apart, docs/flashinfer.md), tagged apart.
     moe2fin) for model in ${MOE_MODELS:-qwen3_moe deepseek_v2}; do
