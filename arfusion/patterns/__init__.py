@@ -16,5 +16,5 @@ from .moe_combine import find as find_moe_combine
 from .region import all_reduce_sum_start, grow
 from .rewrite import op_site, rewrite, scaled_sites
 
-__all__ = ["SCALED_REASON", "Site", "find_site", "clear_memo", "all_reduce_sum_start", "grow", "op_site", "rewrite", "scaled_sites",
-           "merge_collectives", "scaled_all_reduce", "Combine", "find_moe_combine", "feeds_combine"]
+__all__ = ["SCALED_REASON", "Site", "find_site", "clear_memo", "all_reduce_sum_start", "grow", "op_site", "rewrite",
+           "scaled_sites", "merge_collectives", "scaled_all_reduce", "Combine", "find_moe_combine", "feeds_combine"]
