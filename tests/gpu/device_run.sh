@@ -77,16 +77,18 @@ for s in "$@"; do
       --tag b --budget-s 470 --out "$OUT" ;;
     prefill4) stage prefill4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases prefill --tag prefill \
       --out "$OUT" ;;
-    # MoE (issue 13): Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, fewer layers, decode + accuracy.
+    # MoE (issue 13): Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, fewer layers, decode + accuracy, and
+    # the profiler's GPU time per step by kernel kind (how much of the step the all-reduces are at all).
     moe2) for model in ${MOE_MODELS:-qwen3_moe deepseek_v2}; do
         stage "moe2-$model" "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type "$model" \
-          --layers ${MOE_LAYERS:-8} --phases decode accuracy --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --out "$OUT"
+          --layers ${MOE_LAYERS:-8} --phases ${MOE_PHASES:-decode accuracy kernels} --batches 1 8 --steps 8 \
+          --ckpt-dir /tmp/ckpt-moe --out "$OUT"
       done ;;
     # The same with FlashInfer's MoE finalize kernel opted in (off by default: it can hang when ranks
     # drift apart, docs/flashinfer.md), tagged apart.
     moe2fin) for model in ${MOE_MODELS:-qwen3_moe deepseek_v2}; do
         stage "moe2fin-$model" "${LIMIT:-280}" env ARFUSION_FLASHINFER_MOE_FINALIZE=1 $TORCHRUN 2 \
-          benchmarks/bench_hf_decode.py --model-type "$model" --layers ${MOE_LAYERS:-8} --phases decode accuracy \
+          benchmarks/bench_hf_decode.py --model-type "$model" --layers ${MOE_LAYERS:-8} --phases ${MOE_PHASES:-decode accuracy kernels} \
           --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --tag finalize --out "$OUT"
       done ;;
     # The MoE site as the pass emits it by default (compiled combine + fused site) against unfused, timed.
