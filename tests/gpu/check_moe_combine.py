@@ -2,8 +2,10 @@
 
     torchrun --nproc-per-node 2 tests/gpu/check_moe_combine.py --out /tmp/moe_combine
 
-For K = 8, T in 1, 8, 32, 64 and hidden 2048 / 4096 (bf16, HF grouped-experts layout: rows in
-expert-sorted order, index = inverse permutation, one weight per permuted row):
+For top-k K in 8, 2, 6, hidden 2048, 4096, 7168 and T = 1 ... 512 tokens (issue 13's grid; --k,
+--hidden, --tokens pick a part; bf16, HF grouped-experts layout: rows in expert-sorted order, index =
+inverse permutation, one weight per permuted row), K = 8 first, so a run cut short by --budget-s
+has the cases the targets are judged on:
 
 1. correctness: `arfusion::moe_combine_allreduce_rmsnorm` (dispatch table as shipped, and with
    the MoE finalize kernel forced at every T) against the unfused reference (combine in fp32-
@@ -13,7 +15,8 @@ expert-sorted order, index = inverse permutation, one weight per permuted row):
    - unfused: one torch.compile'd function: combine + all-reduce (NCCL) + add + RMSNorm;
    - site_only: compiled combine, then arfusion's plain fused op (FlashInfer allreduce_fusion);
    - moe_op: the MoE op as dispatched by the table (kernel up to the table's T, else site_only's path);
-   - moe_kernel: the MoE op with the finalize kernel forced at every T.
+   - moe_kernel: the MoE op with the finalize kernel forced at every T up to --force-max-tokens
+     (128: it is one-shot only, and already slower than site_only's path from T = 64 at hidden 2048).
 3. a shared expert's term added before the all-reduce (`shared`, FlashInfer's `shared_expert_output`),
    with bf16 and with fp32 routing weights (DeepSeek's router: the graph's combine runs in fp32).
 Writes <out>/moe_combine_rank<r>.json (rank 0 also prints a table). Never uses FlashInfer's
@@ -57,9 +60,11 @@ from arfusion.backends.base import Site
 
 import shared_gpu  # tests/gpu/shared_gpu.py (the script's own directory is on sys.path)
 
-K = 8
-TOKENS = (1, 8, 32, 64)
-HIDDENS = (2048, 4096)
+K = 8  # the default top-k (Qwen3-MoE, DeepSeek-V3); the grid also takes DeepSeek-V2-Lite's 6 and Mixtral's 2
+TOP_KS = (8, 2, 6)
+TOKENS = (1, 8, 32, 64, 128, 256, 512)
+HIDDENS = (2048, 4096, 7168)
+FORCE_MAX_TOKENS = 128
 EPS = 1e-6
 DTYPE = torch.bfloat16
 TOL = 2e-2
@@ -71,41 +76,41 @@ CALLS_PER_GRAPH = 2
 SITE = Site(residual=True, norm="rms")
 
 
-def make_inputs(tokens, hidden, device, rank, seed=0):
+def make_inputs(tokens, hidden, device, rank, seed=0, k=K):
     """Same routing and weights on every rank (TP replicates the router), rows differ per rank."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    perm = torch.randperm(tokens * K, generator=g)
+    perm = torch.randperm(tokens * k, generator=g)
     index = torch.empty_like(perm)
     index[perm] = torch.arange(perm.numel())
-    scale = torch.rand(tokens * K, 1, generator=g).to(DTYPE)
+    scale = torch.rand(tokens * k, 1, generator=g).to(DTYPE)
     residual = torch.randn(tokens, hidden, generator=g).to(DTYPE)
     weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DTYPE)
     g_rank = torch.Generator(device="cpu").manual_seed(seed * 1000 + rank + 1)
-    rows = torch.randn(tokens * K, hidden, generator=g_rank).to(DTYPE)
+    rows = torch.randn(tokens * k, hidden, generator=g_rank).to(DTYPE)
     return [t.to(device) for t in (rows, scale, index, residual, weight)]
 
 
-def moe_op(rows, scale, index, residual, weight, group_name):
+def moe_op(rows, scale, index, residual, weight, group_name, k=K):
     return torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
-        rows, scale, index, K, True, residual, weight, EPS, None, group_name, "rms", "none", None, True,
+        rows, scale, index, k, True, residual, weight, EPS, None, group_name, "rms", "none", None, True,
         "flashinfer", -1)
 
 
-def make_site_only(group_name):
+def make_site_only(group_name, k=K):
     combine = torch.compile(reference.moe_combine)
 
     def site_only(rows, scale, index, residual, weight):
-        combined = combine(rows, scale, index, K, True)
+        combined = combine(rows, scale, index, k, True)
         return torch.ops.arfusion.fused_allreduce_rmsnorm(
             combined, residual, weight, EPS, None, group_name, "rms", "none", None, True, "flashinfer", -1)
 
     return site_only
 
 
-def make_unfused(group_name):
+def make_unfused(group_name, k=K):
     @torch.compile
     def unfused(rows, scale, index, residual, weight):
-        combined = reference.moe_combine(rows, scale, index, K, True)
+        combined = reference.moe_combine(rows, scale, index, k, True)
         reduced = funcol.wait_tensor(funcol.all_reduce(combined, "sum", group_name))
         h = residual + reduced
         hf = h.float()
@@ -130,7 +135,8 @@ def all_reduced(t, group_name):
 def exact(rows, scale, index, residual, weight, group_name, shared=None, routed_scale=1.0, input_scale=1.0):
     """Reference outputs: the combine [* routed_scale] [+ shared] in fp32, all-reduced in fp32
     [* input_scale], then the model's roundings."""
-    combined = ((rows.float() * scale.float())[index]).view(-1, K, rows.shape[-1]).sum(1) * routed_scale
+    k = index.numel() // residual.shape[0]
+    combined = ((rows.float() * scale.float())[index]).view(-1, k, rows.shape[-1]).sum(1) * routed_scale
     if shared is not None:
         combined = combined + shared.float()
     h = (residual.float() + all_reduced(combined, group_name) * input_scale).to(DTYPE)
@@ -189,6 +195,15 @@ def graph_probe(backend, device, rank, group_name, kernel_calls):
     return errs
 
 
+def over_budget(budget_s, started, device):
+    """The same verdict on every rank (the slowest rank's clock), so no rank starts a case its peer skips."""
+    late = budget_s is not None and time.monotonic() - started > budget_s
+    flag = torch.tensor([int(late)], dtype=torch.int32,
+                        device="cpu" if dist.get_backend() == "gloo" else device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def progress(rank, what):
     print(f"{time.strftime('%H:%M:%S')} rank {rank}: {what}", flush=True)
 
@@ -234,7 +249,18 @@ def main():
     p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0, gloo, correctness only")
     p.add_argument("--no-finalize", action="store_true",
                    help="only unfused vs site_only (the path the pass takes by default)")
+    p.add_argument("--k", type=int, nargs="+", default=list(TOP_KS), help="top-k values, in this order")
+    p.add_argument("--hidden", type=int, nargs="+", default=list(HIDDENS))
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--force-max-tokens", type=int, default=FORCE_MAX_TOKENS,
+                   help="moe_kernel (the finalize kernel forced) only up to this T")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new case after this many seconds (the results so far are written)")
     args = p.parse_args()
+    started = time.monotonic()
+    # One compiled combine and one unfused function per K, each recompiled once for dynamic shapes:
+    # more variants of one code object than Dynamo's default limit, past which it would run eagerly.
+    torch._dynamo.config.recompile_limit = 64
     if not args.no_finalize:
         os.environ[dispatch.MOE_FINALIZE_OPT_IN_ENV] = "1"  # the kernel under test is off by default (its hazard)
     if args.shared_gpu:
@@ -257,84 +283,90 @@ def main():
     backend.run_moe_combine = counting_run
     sm = torch.cuda.get_device_capability(device)[0]
     table_cap = dispatch.MOE_FINALIZE_MAX_TOKENS.get((sm, world))
-    results = {"device": torch.cuda.get_device_name(device), "world": world, "K": K, "table_cap": table_cap,
-               "shared_gpu": args.shared_gpu, "samples": SAMPLES, "replays_per_sample": REPLAYS, "cases": []}
+    results = {"device": torch.cuda.get_device_name(device), "world": world, "top_k": args.k, "table_cap": table_cap,
+               "shared_gpu": args.shared_gpu, "samples": SAMPLES, "replays_per_sample": REPLAYS,
+               "force_max_tokens": args.force_max_tokens, "cases": []}
     timed = not args.shared_gpu
-    site_only, unfused = make_site_only(group_name), make_unfused(group_name)
     failures = []
-    for hidden in HIDDENS:
-        for tokens in TOKENS:
-            case = {"hidden": hidden, "tokens": tokens}
-            inputs = make_inputs(tokens, hidden, device, rank)
-            want = exact(*inputs, group_name)
-            variants = {"unfused": unfused, "site_only": site_only,
-                        "moe_op": lambda *a: moe_op(*a, group_name)}
-            for forced in () if args.no_finalize else (False, True):
-                name = "moe_kernel" if forced else "moe_op"
-                saved = dict(dispatch.MOE_FINALIZE_MAX_TOKENS)
-                if forced:
-                    dispatch.MOE_FINALIZE_MAX_TOKENS[(sm, world)] = 1 << 20
-                try:
-                    kernel_calls[0] = 0
-                    progress(rank, f"H={hidden} T={tokens} {name}: eager")
-                    got = moe_op(*inputs, group_name)  # eager: creates the workspace outside any capture
-                    torch.cuda.synchronize()
-                    progress(rank, f"H={hidden} T={tokens} {name}: eager done, kernel {kernel_calls[0] > 0}")
-                    case[f"{name}_ran_kernel"] = kernel_calls[0] > 0
-                    errs = {"residual": rel(got[0], want[0]), "norm": rel(got[1], want[1])}
-                    case[f"{name}_rel_err"] = errs
-                    if not timed:  # shared GPU: eager only here, one graph at the end (graph_probe)
-                        if max(errs.values()) > TOL:
-                            failures.append(f"{name} H={hidden} T={tokens}: {errs}")
-                        continue
-                    graph, outs = graph_of(lambda *a: moe_op(*a, group_name), inputs)
-                    fresh = make_inputs(tokens, hidden, device, rank, seed=1)
-                    for static, new in zip(inputs, fresh):
-                        static.copy_(new)
-                    graph.replay()
-                    torch.cuda.synchronize()
-                    want_fresh = exact(*inputs, group_name)
-                    errs.update(graph_residual=rel(outs[0], want_fresh[0]), graph_norm=rel(outs[1], want_fresh[1]))
-                    case[f"{name}_rel_err"] = errs
-                    if max(errs.values()) > TOL:
-                        failures.append(f"{name} H={hidden} T={tokens}: {errs}")
-                    case[f"{name}_us"] = time_graph(graph, group) if timed else None
-                    del graph
-                finally:
-                    dispatch.MOE_FINALIZE_MAX_TOKENS.clear()
-                    dispatch.MOE_FINALIZE_MAX_TOKENS.update(saved)
-                inputs = make_inputs(tokens, hidden, device, rank)
-            results["cases"].append(case)
-            if not timed:
-                if rank == 0:
-                    print(f"H={hidden:5d} T={tokens:3d}: moe_op kernel {case['moe_op_ran_kernel']} err "
-                          f"{case['moe_op_rel_err']}; moe_kernel err {case['moe_kernel_rel_err']}", flush=True)
-                continue
-            for name in ("unfused", "site_only"):
-                fn = variants[name]
-                got = fn(*inputs)
+    grid = [(k, hidden, tokens) for k in args.k for hidden in args.hidden for tokens in args.tokens]
+    compiled = {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for k, hidden, tokens in grid:
+        if over_budget(args.budget_s, started, device):
+            results["stopped_by_budget"] = f"before K={k} H={hidden} T={tokens}"
+            progress(rank, f"budget spent: {results['stopped_by_budget']}")
+            break
+        if k not in compiled:
+            compiled[k] = {"site_only": make_site_only(group_name, k), "unfused": make_unfused(group_name, k)}
+        label = f"K={k} H={hidden} T={tokens}"
+        case = {"top_k": k, "hidden": hidden, "tokens": tokens}
+        inputs = make_inputs(tokens, hidden, device, rank, k=k)
+        want = exact(*inputs, group_name)
+        forced_cases = (False, True) if tokens <= args.force_max_tokens else (False,)
+        for forced in () if args.no_finalize else forced_cases:
+            name = "moe_kernel" if forced else "moe_op"
+            saved = dict(dispatch.MOE_FINALIZE_MAX_TOKENS)
+            if forced:
+                dispatch.MOE_FINALIZE_MAX_TOKENS[(sm, world)] = 1 << 20
+            try:
+                kernel_calls[0] = 0
+                progress(rank, f"{label} {name}: eager")
+                got = moe_op(*inputs, group_name, k)  # eager: creates the workspace outside any capture
                 torch.cuda.synchronize()
-                case[f"{name}_rel_err"] = {"residual": rel(got[0], want[0]), "norm": rel(got[1], want[1])}
-                graph, _ = graph_of(fn, inputs)
+                progress(rank, f"{label} {name}: eager done, kernel {kernel_calls[0] > 0}")
+                case[f"{name}_ran_kernel"] = kernel_calls[0] > 0
+                errs = {"residual": rel(got[0], want[0]), "norm": rel(got[1], want[1])}
+                case[f"{name}_rel_err"] = errs
+                if not timed:  # shared GPU: eager only here, one graph at the end (graph_probe)
+                    if max(errs.values()) > TOL:
+                        failures.append(f"{name} {label}: {errs}")
+                    continue
+                graph, outs = graph_of(lambda *a: moe_op(*a, group_name, k), inputs)
+                for static, new in zip(inputs, make_inputs(tokens, hidden, device, rank, seed=1, k=k)):
+                    static.copy_(new)
+                graph.replay()
+                torch.cuda.synchronize()
+                want_fresh = exact(*inputs, group_name)
+                errs.update(graph_residual=rel(outs[0], want_fresh[0]), graph_norm=rel(outs[1], want_fresh[1]))
+                if max(errs.values()) > TOL:
+                    failures.append(f"{name} {label}: {errs}")
                 case[f"{name}_us"] = time_graph(graph, group)
                 del graph
-            for name in ("site_only",) + (() if args.no_finalize else ("moe_op", "moe_kernel")):
+            finally:
+                dispatch.MOE_FINALIZE_MAX_TOKENS.clear()
+                dispatch.MOE_FINALIZE_MAX_TOKENS.update(saved)
+            inputs = make_inputs(tokens, hidden, device, rank, k=k)
+        results["cases"].append(case)
+        if not timed:
+            if rank == 0:
+                print(f"{label}: moe_op kernel {case['moe_op_ran_kernel']} err {case['moe_op_rel_err']}; "
+                      f"moe_kernel err {case.get('moe_kernel_rel_err', 'not forced')}", flush=True)
+            continue
+        for name, fn in compiled[k].items():
+            got = fn(*inputs)
+            torch.cuda.synchronize()
+            case[f"{name}_rel_err"] = {"residual": rel(got[0], want[0]), "norm": rel(got[1], want[1])}
+            graph, _ = graph_of(fn, inputs)
+            case[f"{name}_us"] = time_graph(graph, group)
+            del graph
+        for name in ("site_only", "moe_op", "moe_kernel"):
+            if f"{name}_us" in case:
                 case[f"speedup_{name}_vs_unfused"] = case["unfused_us"] / case[f"{name}_us"]
-            if rank == 0 and args.no_finalize:
-                print(f"H={hidden:5d} T={tokens:3d}: unfused {case['unfused_us']:7.1f} us, site_only "
-                      f"{case['site_only_us']:7.1f} -> {case['speedup_site_only_vs_unfused']:.2f}x; err "
-                      f"{case['site_only_rel_err']}", flush=True)
-            elif rank == 0:
-                print(f"H={hidden:5d} T={tokens:3d}: unfused {case['unfused_us']:7.1f} us, site_only "
-                      f"{case['site_only_us']:7.1f}, moe_op {case['moe_op_us']:7.1f} (kernel: "
-                      f"{case['moe_op_ran_kernel']}), moe_kernel {case['moe_kernel_us']:7.1f} -> "
-                      f"{case['speedup_moe_kernel_vs_unfused']:.2f}x; err {case['moe_kernel_rel_err']}", flush=True)
+        if rank == 0:
+            line = (f"{label}: unfused {case['unfused_us']:7.1f} us, site_only {case['site_only_us']:7.1f} "
+                    f"({case['speedup_site_only_vs_unfused']:.2f}x)")
+            if "moe_op_us" in case:
+                line += (f", moe_op {case['moe_op_us']:7.1f} ({case['speedup_moe_op_vs_unfused']:.2f}x, kernel "
+                         f"{case['moe_op_ran_kernel']})")
+            if "moe_kernel_us" in case:
+                line += f", moe_kernel {case['moe_kernel_us']:7.1f} ({case['speedup_moe_kernel_vs_unfused']:.2f}x)"
+            print(line, flush=True)
+        (out / f"moe_combine_rank{rank}.json").write_text(json.dumps(results, indent=1))  # a cut-off run keeps these
     if not args.no_finalize:
         results["shared_expert"] = check_shared_expert(device, rank, group_name, kernel_calls, failures)
     results["failures"] = failures
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"moe_combine_rank{rank}.json").write_text(json.dumps(results, indent=1))
     if rank == 0:
         print("FAILURES:" if failures else "all within tolerance", *failures, sep="\n")
