@@ -104,6 +104,7 @@ def model_config(args, world: int):
     from transformers import AutoConfig
 
     if args.tiny:
+        world = max(world, args.rank_of)  # --rank-of: the TP=N model's shape, then one rank's share
         heads = max(4, 2 * world)
         shape = dict(hidden_size=256, num_hidden_layers=args.layers or 2, num_attention_heads=heads,
                      num_key_value_heads=world, intermediate_size=512, vocab_size=512,
@@ -115,7 +116,31 @@ def model_config(args, world: int):
         shape = dict(PRESETS[args.model_type])
         if args.layers:
             shape["num_hidden_layers"] = args.layers
+    if args.rank_of > 1:
+        shape = one_rank_shape(shape, args.rank_of)
     return AutoConfig.for_model(args.model_type, tie_word_embeddings=False, **shape)
+
+
+# What one rank of TP=N holds of each sharded width (transformers' TP plans: attention heads,
+# MLP and expert intermediates, the vocabulary of the embedding and lm_head); the router, the
+# MLA down-projections and the norms are replicated.
+RANK_SHARDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                "vocab_size")
+
+
+def one_rank_shape(shape: dict, n: int) -> dict:
+    """--rank-of N: one rank's share of a TP=N model as a model of its own, run at world size 1
+    with no communication at all: its decode step is the floor under the TP=N step, so
+    1 - floor / unfused step bounds what any all-reduce fusion can gain."""
+    out = dict(shape)
+    if "head_dim" not in out and "qk_nope_head_dim" not in out:  # keep the heads' width
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    for key in RANK_SHARDED:
+        if key in out:
+            if out[key] % n:
+                raise SystemExit(f"--rank-of {n}: {key} = {out[key]} does not split in {n}")
+            out[key] //= n
+    return out
 
 
 # Output projections of each residual branch: scaled by 1/sqrt(2 * layers) with --init scaled
@@ -190,7 +215,7 @@ class Bench:
         self.config = model_config(self.args, self.world)
         t0 = time.perf_counter()
         path = self.checkpoint = random_checkpoint(self.config, self.device, self.args.ckpt_dir, self.args.init)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **tp_kwargs("auto")).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **self.tp()).eval()
         prepare_for_compile(self.model)  # graph breaks in HF code: q/k norm hooks (<= 5.17), looped experts
         c = self.config
         self.result["meta"] = {
@@ -199,12 +224,16 @@ class Bench:
             "intermediate": c.intermediate_size, "vocab": c.vocab_size, "world": self.world,
             "device": torch.cuda.get_device_name() if self.cuda else "cpu", "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "arfusion": arfusion.__version__,
-            "backend": self.args.backend, "init": self.args.init, "load_s": round(time.perf_counter() - t0, 1),
+            "backend": self.args.backend, "init": self.args.init, "rank_of": self.args.rank_of, "load_s": round(time.perf_counter() - t0, 1),
             "command": "torchrun --nproc-per-node %d benchmarks/bench_hf_decode.py %s" % (
                 self.world, " ".join(self.args.argv))}
         self.say(f"{c.model_type}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, TP={self.world} on "
                  f"{self.result['meta']['device']}, loaded in {self.result['meta']['load_s']} s")
         self.compiled = {}
+
+    def tp(self) -> dict:
+        """Tensor parallel over the ranks, or nothing for --rank-of (one rank's share, no TP)."""
+        return tp_kwargs("auto") if self.args.rank_of <= 1 else {"device_map": self.device}
 
     def compile(self, name: str, reduce_overhead: bool = False):
         """model compiled without ("off") or with ("on") the pass, or with it and the quantized
@@ -408,7 +437,7 @@ class Bench:
         # result, so "on" can be compared with "off" against the truth and not only each other.
         from transformers import AutoModelForCausalLM
 
-        exact = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32, **tp_kwargs("auto")).eval()
+        exact = AutoModelForCausalLM.from_pretrained(self.checkpoint, dtype=torch.float32, **self.tp()).eval()
         for name in ("fp32", "eager", *CONFIGS):
             fn = {"fp32": exact, "eager": self.model}[name] if name in ("fp32", "eager") else self.compiled_model(name)
             cache, _ = self.prefilled(1, model=fn if name == "fp32" else None)
@@ -761,6 +790,9 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a tiny config (hidden 256, 2 layers): CPU/CI")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even where CUDA exists")
     p.add_argument("--layers", type=int, default=0, help="override the number of layers")
+    p.add_argument("--rank-of", type=int, default=1, metavar="N",
+                   help="one process, no TP: the model holds one rank's share of TP=N (heads, intermediates, "
+                        "vocabulary divided by N), so its step is the TP=N step without communication")
     p.add_argument("--backend", default="auto", choices=["auto", "flashinfer", "aiter", "torch"])
     p.add_argument("--init", default="hf", choices=["hf", "scaled"],
                    help="random weights: HF's init (std 0.02), or with the residual branches' output "
@@ -787,6 +819,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     args.argv = argv
+    if args.rank_of > 1 and int(os.environ.get("WORLD_SIZE", 1)) != 1:
+        p.error("--rank-of runs one rank's share alone: start it with --nproc-per-node 1")
     if args.plot:
         plot(args.plot, args.png)
         return

@@ -100,3 +100,22 @@ def test_prefill_with_the_quantized_all_reduce(tmp_path):
     assert r["quantized_dispatch"] == {"torch quantized fp8": sites}
     assert r["quantized_calls"] == r["op_calls"] == sites
     assert "calls quantized" in ran["stdout"] and "quantized calls" in ran["stdout"]
+
+
+def test_rank_of_builds_one_ranks_share_of_the_tp_model():
+    """--rank-of N: the TP=N model's per-rank widths as a model of its own (the communication-free
+    floor under the TP=N step); head widths and replicated parts unchanged."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_hf_decode as bench
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    llama = bench.one_rank_shape(bench.PRESETS["llama"], 2)
+    assert (llama["num_attention_heads"], llama["num_key_value_heads"], llama["intermediate_size"],
+            llama["vocab_size"], llama["head_dim"]) == (16, 4, 7168, 64128, 128)
+    dsv2 = bench.one_rank_shape(bench.PRESETS["deepseek_v2"], 2)
+    assert (dsv2["num_attention_heads"], dsv2["moe_intermediate_size"], dsv2["intermediate_size"]) == (8, 704, 5472)
+    assert "head_dim" not in dsv2  # MLA: its head widths are named apart and stay
+    assert (dsv2["n_routed_experts"], dsv2["kv_lora_rank"], dsv2["hidden_size"]) == (64, 512, 2048)
+    with pytest.raises(SystemExit, match="does not split"):
+        bench.one_rank_shape(bench.PRESETS["llama"], 3)

@@ -103,7 +103,14 @@ for s in "$@"; do
     # step, an odd graph of MoE calls alone, is expected to hang and be stopped by the watchdog).
     queue1shared) stage queue1shared "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/probe_shared_gpu_queue.py ;;
     moecheck1shared) stage moecheck1shared "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --shared-gpu \
-      --out "$OUT/moe_combine_shared_gpu" ;;
+      --budget-s $(( ${LIMIT:-300} - 90 )) --out "$OUT/moe_combine_shared_gpu" ;;
+    # The floor under the MoE decode targets (issue 13), on one GPU: one rank's share of the TP=2 model
+    # run alone (no communication), the same graph-captured step as moe2 times at TP=2.
+    floor1) for model in ${MOE_MODELS:-deepseek_v2 qwen3_moe}; do
+        stage "floor1-$model" "${LIMIT:-200}" $TORCHRUN 1 benchmarks/bench_hf_decode.py --model-type "$model" \
+          --layers ${MOE_LAYERS:-8} --rank-of 2 --phases ${MOE_PHASES:-decode kernels} --batches 1 8 \
+          --ckpt-dir /tmp/ckpt-floor --tag rank_of_2 --out "$OUT"
+      done ;;
     # Quantized all-reduce (issue 14 part 3): op level at 1-64 MiB per rank (bench_quantized_w2.json),
     # then a Llama-3-8B-shaped prefill off / on / on + fp8 (decode_llama_w2_quantized.json).
     # quantized2 runs both, one after the other (limits 200 + 390 s: near a 10-minute command with
