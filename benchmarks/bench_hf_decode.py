@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/bench_hf_decode.py --out results/    # 2 GPUs
     torchrun --nproc-per-node 2 benchmarks/bench_hf_decode.py --tiny            # CPU/gloo, seconds
     python benchmarks/bench_hf_decode.py --plot results/decode_llama_w2.json results/decode_llama_w4.json
+    torchrun --nproc-per-node 1 benchmarks/bench_hf_decode.py --rank-of 2 --phases decode   # TP=2's floor
 
 An HF model built from a config (Llama-3-8B shape by default; --model-type qwen3, gemma,
 qwen3_moe (Qwen3-30B-A3B) or deepseek_v2 (DeepSeek-V2-Lite) for those architectures), random
@@ -35,6 +36,10 @@ so a run cut short keeps what it measured):
 
 On CPU (gloo) CUDA graphs, the profiler's kernels and reduce-overhead do not exist: decode and
 prefill are timed as plain compiled calls, and the loop phase uses the default compile mode.
+
+--rank-of N: one process, no TP, a model holding one rank's share of the TP=N model (heads,
+intermediates, vocabulary divided by N): the TP=N step without any communication, the floor no
+all-reduce fusion can go below (docs/benchmarks.md, "One H200, 2026-11-25").
 """
 
 from __future__ import annotations
