@@ -429,10 +429,11 @@ class Bench:
                      f"{row['gain_pct']:+.1f}% ({row['on_dispatch']})")
             rows.append(row)
         # What the pass did to the graphs timed here (MoE: all-reduces merged or moved).
-        done = {k: v for k, v in arfusion.stats().items() if k in REWRITE_COUNTS and v}
-        self.say(f"pass: {done}")
+        stats = arfusion.stats()
+        done = {k: v for k, v in stats.items() if k in REWRITE_COUNTS and v}
+        self.say(f"pass: {done}, forms {stats['by_pattern']}")
         return {"rows": rows, "captured": self.cuda, "replays": self.args.replays, "context": self.args.prompt,
-                "pass": done}
+                "pass": done, "by_pattern": stats["by_pattern"]}
 
     def phase_accuracy(self):
         steps = self.args.steps

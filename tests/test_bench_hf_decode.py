@@ -63,6 +63,13 @@ def test_decode_rows_dispatch_the_fused_op_only_when_on(result):
         assert set(r["on_dispatch"]) == {"torch"} and r["off_dispatch"] == {}
 
 
+def test_decode_steps_take_the_norm_weight_into_the_op(result):
+    """Batch 1 decodes one token: HF Llama's norm is still the `rms` form with its weight in the
+    op (it was once left as a multiply after a weightless site, one more kernel per site)."""
+    forms = result["json"]["phases"]["decode"]["by_pattern"]
+    assert forms and not [name for name in forms if "fp32_weight" in name], forms
+
+
 def test_fused_answers_match_unfused(result):
     acc = result["json"]["phases"]["accuracy"]
     assert acc["steps"] == 8 and len(acc["on_vs_off_rel_l2"]) == 8

@@ -153,12 +153,16 @@ def assert_fp8_close(a, e):
 # ------------------------------------------------------------------ the norm
 
 
+@pytest.mark.parametrize("lead", [(2, 5), (1, 1), (1,)], ids=["10_tokens", "decode_1x1", "one_row"])
 @pytest.mark.parametrize("name", list(NORMS))
-def test_norm_spellings_fuse_and_match_eager(fake_pg, name):
+def test_norm_spellings_fuse_and_match_eager(fake_pg, name, lead):
+    """Also at one token (a batch-1 decode step), where the weight [H] holds as many values as the
+    activation [1, 1, H]: it is still the weight, taken into the op (not left as a multiply after)."""
     spelling, form = NORMS[name]
-    fused, left, actual, expected, _ = run(Site(spelling))
+    fused, left, actual, expected, _ = run(Site(spelling), lead=lead)
     assert left == 0 and len(fused) == 1, name
     assert fused[0][6] == form
+    assert (fused[0][2] is None) == (name == "nanochat_no_weight")  # the weight went into the op
     assert math.isclose(fused[0][3], 1e-6, rel_tol=1e-6)  # the model's eps, as written (F.rms_norm: fp32-rounded)
     assert_matches_eager(actual, expected)
 

@@ -108,7 +108,16 @@ def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [i for i in node.all_input_nodes if isinstance(value(i), torch.Tensor)]
 
 
-def _preparation(node: torch.fx.Node, activation_numel: int) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+def activation_sized(shape: tuple[int, ...], region: Region) -> bool:
+    """Whether a value of `shape` holds one of the site's activations ([tokens, hidden], however
+    viewed). At one token a per-hidden vector (the norm weight) holds as many values; it is the one
+    with fewer dims than the all-reduced value, which carries its token dims (`[1, 1, H]`)."""
+    if math.prod(shape) != region.tokens * region.hidden:
+        return False
+    return region.tokens != 1 or len(shape) >= len(hinted_shape(region.start))
+
+
+def _preparation(node: torch.fx.Node, region: Region) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
     """The pointwise chain that prepares an outside input (`1 + w.float()`), in order, and the
     tensor it starts from (None: a constant, e.g. `full([], 2**22)`). An activation-sized value
     is a residual term as computed, whatever computed it (MiniMax scales its residual by alpha):
@@ -119,7 +128,7 @@ def _preparation(node: torch.fx.Node, activation_numel: int) -> tuple[list[torch
             return [node, *reversed(chain)], None
         inputs = _tensor_inputs(node)
         computed_term = (node.target not in CASTS and isinstance(value(node), torch.Tensor)
-                         and math.prod(hinted_shape(node)) == activation_numel)
+                         and activation_sized(hinted_shape(node), region))
         if node.op == "call_function" and len(inputs) == 1 and (is_pointwise(node) or node.target in LIKE_OPS) \
                 and len(node.all_input_nodes) == 1 and not computed_term:
             chain.append(node)
@@ -155,7 +164,7 @@ class Encoding:
     def _add_outside(self, node: torch.fx.Node) -> None:
         if node in self.local:
             return
-        chain, root = _preparation(node, self.region.tokens * self.region.hidden)
+        chain, root = _preparation(node, self.region)
         ids = [self._add(n) for n in chain]
         root_id = None if root is None else self._add(root)
         if root_id is not None and root_id not in self.roots:
@@ -253,7 +262,7 @@ class Classifier:
     def _role_of_root(self, i: int) -> str:
         shape = hinted_shape(self.enc.nodes[i])
         numel = math.prod(shape)
-        if shape and shape[-1] == self.hidden and numel == self.tokens * self.hidden:
+        if shape and shape[-1] == self.hidden and activation_sized(shape, self.enc.region):
             return "activation"
         if shape and shape[-1] == self.hidden and numel == self.hidden:
             return "vector"
@@ -341,7 +350,7 @@ class Classifier:
         if node.target in SIZED_SHAPE_OPS or node.target in OTHER_SHAPE_OPS:
             return False  # a view of the norm output is not where the norm ends
         shape = hinted_shape(node)
-        if math.prod(shape) != self.tokens * self.hidden or shape[-1] != self.hidden:
+        if not activation_sized(shape, self.enc.region) or shape[-1] != self.hidden:
             return False
         return any(n.target in REDUCTIONS for n in ancestors_within(node, self.members))
 
