@@ -2,6 +2,8 @@
 
     python benchmarks/hf_coverage.py                       # all of them, writes docs/coverage.md
     python benchmarks/hf_coverage.py --only llama,olmo2    # a subset
+    python benchmarks/hf_coverage.py --tokens 1 --md docs/coverage_decode.md --json docs/data/coverage_decode.json
+                                                           # one token: a batch-1 decode step's shape
 
 For every model type of the installed transformers that has a causal-LM class and a non-empty
 `base_model_tp_plan`: a tiny config (`hf_tiny_configs.py`: 2 layers, hidden 128), random bf16
@@ -45,7 +47,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TOKENS = 8
+TOKENS = 8  # one batch row of this many tokens; --tokens 1 is the shape of a batch-1 decode step
+TOKENS_ENV = "HF_COVERAGE_TOKENS"  # how the driver tells its ranks
 SEED = 0
 
 
@@ -218,7 +221,8 @@ class Worker:
         if not ok:
             return
 
-        ids = torch.randint(0, text_config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+        tokens = int(os.environ.get(TOKENS_ENV, TOKENS))
+        ids = torch.randint(0, text_config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
 
         def forward(m):
             with torch.no_grad():
@@ -515,7 +519,7 @@ kinds kept are those of the first layer and of the first layer that differs from
 hybrid model's third kind of layer is not seen); a norm written inline (not a module) is not
 hooked: its all-reduce shows under "no norm"; a reduction (Llama-4's sum over experts of
 all-reduced rows) ends a mark; it counts module calls, so a norm module applied twice counts
-twice. Every row is one forward of 1 × 8 tokens; the counter is not a proof that the compiled
+twice. Every row is one forward of one batch row (its tokens are in the header); the counter is not a proof that the compiled
 graph has the same shape (Inductor's decompositions can differ), which is what the "fused"
 column then shows.
 """
@@ -548,7 +552,7 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
         w(f"- rows {', '.join(f'`{m}`' for m in u['rows'])} rerun: `{u['command']}`, {u['date']}, "
           f"{u['wall_s'] / 60:.1f} min, torch {u['torch']}, transformers {u['transformers']} (commit {u['commit']})\n")
     w(f"- machine: {meta['machine']}; TP=2 on gloo, bf16, random weights, 2 layers, hidden 128, "
-      f"1 × {TOKENS} tokens; each model loaded with `tp_plan=\"auto\"`, then "
+      f"1 × {meta.get('tokens', TOKENS)} tokens; each model loaded with `tp_plan=\"auto\"`, then "
       "`arfusion.hf.prepare_for_compile(model)` as the README asks of users (it removes graph "
       "breaks in transformers' own code: looped experts, q/k-norm gradient hooks)\n")
     w("- columns: *sites* = all-reduce [views] [+ residual] → RMSNorm calls counted in the eager "
@@ -615,6 +619,11 @@ def driver_main(args) -> int:
     to_run = [m for m in wanted if m not in skipped]
     # --update: rerun some rows of an existing report, keep the others
     report = json.loads(Path(args.json).read_text()) if args.update else {"rows": []}
+    if args.update and report["meta"].get("tokens", TOKENS) != args.tokens:
+        print(f"--update: {args.json} was swept at {report['meta'].get('tokens', TOKENS)} tokens, not "
+              f"{args.tokens}", file=sys.stderr)
+        return 2
+    os.environ[TOKENS_ENV] = str(args.tokens)
     previous = {r["model_type"]: r for r in report["rows"]}
     print(f"{len(wanted)} architectures ({len(to_run)} to run), timeout {args.timeout:.0f} s each; "
           f"rank logs in {args.log}", file=sys.stderr)
@@ -634,8 +643,9 @@ def driver_main(args) -> int:
     rows = [fresh.get(m, r) for m, r in previous.items()] + [r for m, r in fresh.items() if m not in previous]
     import arfusion
 
-    command = "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else "")
-    run = {"command": command, "date": date, "wall_s": round(wall, 1), "torch": torch.__version__,
+    command = "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else "") + \
+        (f" --tokens {args.tokens}" if args.tokens != TOKENS else "")
+    run = {"tokens": args.tokens, "command": command, "date": date, "wall_s": round(wall, 1), "torch": torch.__version__,
            "transformers": transformers.__version__, "arfusion": arfusion.__version__, "commit": commit}
     if args.update:
         meta = with_update(report["meta"], run, sorted(fresh))
@@ -657,6 +667,8 @@ def main(argv=None) -> int:
     p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "arfusion-coverage-ranks.log"),
                    help="where the ranks' stdout/stderr go")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--tokens", type=int, default=TOKENS,
+                   help="tokens of the one batch row each model runs (1: a batch-1 decode step's shape)")
     p.add_argument("--update", action="store_true",
                    help="rerun the --only rows of the existing --json report and rewrite it with the others kept")
     # internal: one rank of the pair
