@@ -127,6 +127,18 @@ def test_an_update_keeps_the_sweeps_header_and_names_what_it_reran(sweep, tmp_pa
     assert json.loads(js.read_text())["meta"]["updates"][1]["rows"] == ["olmo2"]
 
 
+def test_the_token_count_is_in_the_header_and_an_update_keeps_it(sweep, tmp_path):
+    """--tokens 1 (a decode step's shape) is named in the header; rows of another token count are
+    never mixed into a report (--update refuses, and writes nothing)."""
+    md, js = tmp_path / "c.md", tmp_path / "c.json"
+    hf_coverage.write_reports(sweep["data"]["rows"], md, js, {**sweep["data"]["meta"], "tokens": 1})
+    assert "1 × 1 tokens" in md.read_text()
+    md.unlink()
+    code = hf_coverage.main(["--only", "llama", "--update", "--json", str(js), "--md", str(md), "--tokens", "8",
+                             "--quiet"])
+    assert code == 2 and not md.exists()
+
+
 def test_a_hung_architecture_is_killed_and_recorded(tmp_path):
     """One rank hangs: the driver kills the pair past --timeout, records the row, leaves no rank behind."""
     md, js = tmp_path / "c.md", tmp_path / "c.json"
