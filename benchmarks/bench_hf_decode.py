@@ -229,7 +229,8 @@ class Bench:
             "intermediate": c.intermediate_size, "vocab": c.vocab_size, "world": self.world,
             "device": torch.cuda.get_device_name() if self.cuda else "cpu", "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "arfusion": arfusion.__version__,
-            "backend": self.args.backend, "init": self.args.init, "rank_of": self.args.rank_of, "load_s": round(time.perf_counter() - t0, 1),
+            "backend": self.args.backend, "init": self.args.init, "rank_of": self.args.rank_of,
+            "load_s": round(time.perf_counter() - t0, 1),
             "command": "torchrun --nproc-per-node %d benchmarks/bench_hf_decode.py %s" % (
                 self.world, " ".join(self.args.argv))}
         self.say(f"{c.model_type}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, TP={self.world} on "

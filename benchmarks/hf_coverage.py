@@ -519,8 +519,8 @@ kinds kept are those of the first layer and of the first layer that differs from
 hybrid model's third kind of layer is not seen); a norm written inline (not a module) is not
 hooked: its all-reduce shows under "no norm"; a reduction (Llama-4's sum over experts of
 all-reduced rows) ends a mark; it counts module calls, so a norm module applied twice counts
-twice. Every row is one forward of one batch row (its tokens are in the header); the counter is not a proof that the compiled
-graph has the same shape (Inductor's decompositions can differ), which is what the "fused"
+twice. Every row is one forward of one batch row (its tokens are in the header); the counter is
+not a proof that the compiled graph has the same shape (Inductor's decompositions can differ), which is what the "fused"
 column then shows.
 """
 
@@ -645,8 +645,9 @@ def driver_main(args) -> int:
 
     command = "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else "") + \
         (f" --tokens {args.tokens}" if args.tokens != TOKENS else "")
-    run = {"tokens": args.tokens, "command": command, "date": date, "wall_s": round(wall, 1), "torch": torch.__version__,
-           "transformers": transformers.__version__, "arfusion": arfusion.__version__, "commit": commit}
+    run = {"tokens": args.tokens, "command": command, "date": date, "wall_s": round(wall, 1),
+           "torch": torch.__version__, "transformers": transformers.__version__, "arfusion": arfusion.__version__,
+           "commit": commit}
     if args.update:
         meta = with_update(report["meta"], run, sorted(fresh))
     else:

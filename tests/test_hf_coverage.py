@@ -127,7 +127,7 @@ def test_an_update_keeps_the_sweeps_header_and_names_what_it_reran(sweep, tmp_pa
     assert json.loads(js.read_text())["meta"]["updates"][1]["rows"] == ["olmo2"]
 
 
-def test_the_token_count_is_in_the_header_and_an_update_keeps_it(sweep, tmp_path):
+def test_the_token_count_is_in_the_header_and_an_update_refuses_another(sweep, tmp_path):
     """--tokens 1 (a decode step's shape) is named in the header; rows of another token count are
     never mixed into a report (--update refuses, and writes nothing)."""
     md, js = tmp_path / "c.md", tmp_path / "c.json"

@@ -88,8 +88,8 @@ for s in "$@"; do
     # drift apart, docs/flashinfer.md), tagged apart.
     moe2fin) for model in ${MOE_MODELS:-qwen3_moe deepseek_v2}; do
         stage "moe2fin-$model" "${LIMIT:-280}" env ARFUSION_FLASHINFER_MOE_FINALIZE=1 $TORCHRUN 2 \
-          benchmarks/bench_hf_decode.py --model-type "$model" --layers ${MOE_LAYERS:-8} --phases ${MOE_PHASES:-decode accuracy kernels} \
-          --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --tag finalize --out "$OUT"
+          benchmarks/bench_hf_decode.py --model-type "$model" --layers ${MOE_LAYERS:-8} \
+          --phases ${MOE_PHASES:-decode accuracy kernels} --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --tag finalize --out "$OUT"
       done ;;
     # The MoE site as the pass emits it by default (compiled combine + fused site) against unfused, timed.
     # Issue 13's grid (K 8, 2, 6; hidden 2048, 4096, 7168; T 1..512), K = 8 first; no case starts after
