@@ -9,15 +9,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from .core import QUANT_FORMS, QUANTIZED_LEVELS
+
 log = logging.getLogger("arfusion")
 
 BACKEND_CHOICES = ("auto", "flashinfer", "aiter", "torch")
-QUANT_FORMS = ("fp8_static", "fp8_dynamic", "fp8_group", "nvfp4")
 DISABLE_ENV = "ARFUSION_DISABLE"
 STRICT_ENV = "ARFUSION_STRICT"
-# Quantized all-reduce levels (payload format; arfusion/quantized_comm.py) and the env switch
-# that picks one where the config names none.
-QUANTIZED_LEVELS = ("fp8", "int8", "int6", "int4")
+# The env switch that picks a quantized all-reduce level where the config names none.
 QUANTIZED_ENV = "ARFUSION_QUANTIZED_ALLREDUCE"
 _OFF = ("", "0", "false", "no", "off", "none")
 

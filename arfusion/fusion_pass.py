@@ -15,6 +15,8 @@ import math
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +26,38 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import backends, patterns, stats
-from .backends.base import Call, num_tokens
+from . import ops  # noqa: F401  (registers torch.ops.arfusion.*)
 from .config import PassConfig, env_disabled, env_strict
+from .core import Call
+from .execution import current_stream_pays
 from .graph_utils import (ALL_REDUCE, REDUCE_SCATTER, collective_group, dedupe_pure_nodes, has_fp8_casts,
                           move_all_reduce_to_current_stream, restore, snapshot)
-from .ops import current_stream_pays, group_size
 from .patterns.region import hinted_shape
+from .runtime import group_size
 from .version import __version__
 
 log = logging.getLogger("arfusion")
 
 FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
 _SLOT = "post_grad_custom_post_pass"
+
+
+class Kind(Enum):
+    FUSED = "fused"  # rewritten into the fused op
+    DECLINED = "declined"  # a site, but the backend does not take it at these shapes
+    NONE = "none"  # not a site
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one all-reduce: `detail` is the fused form's name, or the reason."""
+
+    kind: Kind
+    detail: str = ""
+    scaled: bool = False  # NONE because the value is scaled first (patterns.NoSite.scaled)
+
+
+NO_OUTCOME = Outcome(Kind.NONE)
 
 
 @functools.cache  # the sources do not change within a process; hash them once, not per compile
@@ -113,13 +135,15 @@ class ArFusionPass(CustomGraphPass):
         fused: Counter[str] = Counter()
         moved = 0
         for index, all_reduce in enumerate(all_reduces):
-            outcome, reason = self._fuse(graph, all_reduce, f"{graph_key}:{index}")
-            if outcome == "fused":
-                fused[reason] += 1
+            outcome = self._fuse(graph, all_reduce, f"{graph_key}:{index}")
+            if outcome.kind is Kind.FUSED:
+                fused[outcome.detail] += 1
+                stats.record_decision(graph_key, all_reduce.name, "fused", outcome.detail)
                 continue
-            why_not[reason] += 1
-            log.info("arfusion: %s not fused: %s", all_reduce.name, reason)
-            if outcome == "declined" and self.config.unfused_on_current_stream \
+            why_not[outcome.detail] += 1
+            stats.record_decision(graph_key, all_reduce.name, "nccl", outcome.detail)
+            log.info("arfusion: %s not fused: %s", all_reduce.name, outcome.detail)
+            if outcome.kind is Kind.DECLINED and self.config.unfused_on_current_stream \
                     and current_stream_pays(all_reduce.meta["val"].device):
                 moved += move_all_reduce_to_current_stream(graph, all_reduce)
         stable_topological_sort(graph)
@@ -130,38 +154,37 @@ class ArFusionPass(CustomGraphPass):
         log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s", sum(fused.values()),
                  dict(fused) or "", left + moved, f"; {moved} of them run on the caller's stream" if moved else "")
 
-    def _fuse(self, graph: torch.fx.Graph, all_reduce: torch.fx.Node, site_key: str) -> tuple[str, str]:
-        """("fused", pattern name), ("declined", reason) when the backend refuses a site, or
-        ("none", reason) when there is no site."""
+    def _fuse(self, graph: torch.fx.Graph, all_reduce: torch.fx.Node, site_key: str) -> Outcome:
+        """FUSED (detail: the pattern name), DECLINED when the backend refuses a site, or NONE
+        when there is no site (detail: the reason)."""
         start = patterns.all_reduce_sum_start(all_reduce)
         if start is None:
             op = all_reduce.args[1]
-            return "none", f"a {op} all-reduce" if op != "sum" else "its result is not simply awaited"
+            return Outcome(Kind.NONE, f"a {op} all-reduce" if op != "sum" else "its result is not simply awaited")
         shape = hinted_shape(start)
         if shape is not None and math.prod(shape[:-1]) == 0:
             # A graph traced with zero tokens (an empty batch; dynamo specialises size 0, so it is
             # never symbolic). The region walk finds the token dims by divisibility, which a size
             # of 0 cannot give (it raised ZeroDivisionError), and there is nothing to fuse.
-            return "none", "zero tokens (an empty batch): nothing to fuse"
+            return Outcome(Kind.NONE, "zero tokens (an empty batch): nothing to fuse")
         order = {n: i for i, n in enumerate(graph.nodes)}
         scaled = patterns.scaled_all_reduce(start)
-        as_product = ("none", "")
+        as_product = NO_OUTCOME
         if scaled is not None:  # f * AR(x): first as a site of the product, the op taking f
             as_product = self._fuse_region(graph, patterns.grow(start, order, scaled), all_reduce, site_key)
-            if as_product[0] != "none":  # fused, or a site the backend declined (its reason, e.g. a size cap)
+            if as_product.kind is not Kind.NONE:  # fused, or a site the backend declined (e.g. a size cap)
                 return as_product
         outcome = self._fuse_region(graph, patterns.grow(start, order), all_reduce, site_key)
-        if outcome == ("none", patterns.SCALED_REASON) and as_product[1]:
+        if outcome.scaled and as_product.detail:
             # The product's site is the one the model computes: why it failed says more (HRM's
             # scaled embedding is also read by a later add) than "it is scaled".
-            return "none", f"scaled all-reduce (f * AR(x)): {as_product[1]}"
+            return Outcome(Kind.NONE, f"scaled all-reduce (f * AR(x)): {as_product.detail}")
         return outcome
 
-    def _fuse_region(self, graph: torch.fx.Graph, region, all_reduce: torch.fx.Node,
-                     site_key: str) -> tuple[str, str]:
+    def _fuse_region(self, graph: torch.fx.Graph, region, all_reduce: torch.fx.Node, site_key: str) -> Outcome:
         site = patterns.find_site(region, self.config.fused_quant_forms())
-        if isinstance(site, str):
-            return "none", site
+        if isinstance(site, patterns.NoSite):
+            return Outcome(Kind.NONE, site.reason, site.scaled)
         reason = ""
         # The MoE op takes numbers only (a tensor factor after an MoE block: not seen in any model).
         combine = None if isinstance(region.input_scale, torch.fx.Node) else self._moe_combine(site, all_reduce)
@@ -191,11 +214,11 @@ class ArFusionPass(CustomGraphPass):
                     stats.record_moe_combine(site_key)
                     log.info("arfusion: %s: MoE top-k combine (K=%d) fused into the site's op%s", all_reduce.name,
                              take.top_k, f", with its factor {take.routed_scale:g}" if take.routed_scale != 1.0 else "")
-                return "fused", name
+                return Outcome(Kind.FUSED, name)
             reason = "a symbolic shape between the all-reduce and the norm cannot be expressed"
-        return "declined", reason
+        return Outcome(Kind.DECLINED, reason)
 
-    def _moe_combine(self, site: patterns.Site, all_reduce: torch.fx.Node) -> patterns.Combine | None:
+    def _moe_combine(self, site: patterns.Match, all_reduce: torch.fx.Node) -> patterns.Combine | None:
         """The MoE top-k combine producing the site's all-reduce input, if there is one to take."""
         if not self.config.fuse_moe_combine:
             return None
@@ -207,7 +230,7 @@ class ArFusionPass(CustomGraphPass):
             return None
         return found
 
-    def _quantized(self, site: patterns.Site) -> tuple[str, int]:
+    def _quantized(self, site: patterns.Match) -> tuple[str, int]:
         """The op's (level, min bytes) of the quantized all-reduce: ("", -1) where it is off or
         cannot apply to this site at these (static) shapes."""
         level = self.config.quantized_allreduce
@@ -222,20 +245,17 @@ class ArFusionPass(CustomGraphPass):
         floor = self.config.quantized_min_bytes(call.world_size)
         return level, -1 if floor is None else floor
 
-    def _call(self, site: patterns.Site):
+    def _call(self, site: patterns.Match):
         """(the site's Call at compile time, its backend or None, why there is none)."""
         normed = site.norm_out.meta["val"]
         weight = site.weight.meta["val"] if site.weight is not None else normed
-        tokens = num_tokens(normed.shape)
         group_name = site.region.group_name
-        call = Call(site=patterns.op_site(site), tokens=tokens if isinstance(tokens, int) else None,
-                    hidden=int(normed.shape[-1]), dtype=normed.dtype, weight_dtype=weight.dtype,
-                    world_size=group_size(group_name), device=normed.device, group_name=group_name,
-                    input_scaled=site.region.scaled)
+        call = Call.of_meta(patterns.op_site(site), normed.shape, normed.dtype, weight.dtype, normed.device,
+                            group_size(group_name), group_name, input_scaled=site.region.scaled)
         backend, reason = backends.resolve(self.config.backend, normed.device)
         return call, backend, reason
 
-    def _backend_refuses(self, site: patterns.Site, combine: patterns.Combine | None = None,
+    def _backend_refuses(self, site: patterns.Match, combine: patterns.Combine | None = None,
                          quantized: tuple[str, int] = ("", -1)) -> str:
         """Compile-time gate: fuse only what the backend accepts for these (static) shapes. A site
         declined here stays as Inductor compiles it (its own fused norm kernel), which beats a

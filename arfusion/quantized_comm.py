@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from .config import QUANTIZED_LEVELS
+from .core import QUANTIZED_LEVELS
 
 
 @dataclass(frozen=True)

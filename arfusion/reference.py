@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .backends.base import Site
+from . import quant
+from .core import Site
 
 
 def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -23,7 +24,7 @@ def rms_normalize(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float, norm: str) -> torch.Tensor:
-    """The norm forms of `backends.base.NORM_FORMS`; no weight multiplies by one."""
+    """The norm forms of `core.NORM_FORMS`; no weight multiplies by one."""
     normed = rms_normalize(h, eps)
     if norm == "gemma_rms":
         return (normed * (1.0 + weight.float())).to(h.dtype)
@@ -37,8 +38,6 @@ def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: t
                  reduced_scale: float | torch.Tensor = 1.0) -> list[torch.Tensor]:
     """Everything after the all-reduce (scaled first by `reduced_scale`, Granite's multiplier);
     outputs in `site.outputs()` order."""
-    from . import quant  # local: quant imports this module
-
     if isinstance(reduced_scale, torch.Tensor) or reduced_scale != 1.0:
         reduced = reduced * reduced_scale
     h = reduced if residual is None else residual + reduced

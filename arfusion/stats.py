@@ -9,6 +9,8 @@ from collections import Counter
 _lock = threading.Lock()
 _sites: dict[str, str] = {}  # site key -> pattern name, for every fused site of a compiled graph
 _moe_combines: set[str] = set()  # keys of the fused sites that took their MoE top-k combine in too
+_fast: set[str] = set()  # keys of the all-reduces put on the fast path (arfusion::all_reduce)
+_decisions: list[dict] = []  # one per all-reduce the pass looked at: what became of it and why
 _why_not: Counter[str] = Counter()  # reason -> all_reduces left unfused for it
 _dispatch: Counter[str] = Counter()
 _left: Counter[str] = Counter()  # all_reduces the pass left unfused: "total", "on_callers_stream"
@@ -43,6 +45,8 @@ def forget_graph(graph_key: str) -> None:
         for key in [k for k in _sites if k.startswith(f"{graph_key}:")]:
             del _sites[key]
         _moe_combines.difference_update({k for k in _moe_combines if k.startswith(f"{graph_key}:")})
+        _fast.difference_update({k for k in _fast if k.startswith(f"{graph_key}:")})
+        _decisions[:] = [d for d in _decisions if d["graph"] != graph_key]
 
 
 def record_moe_combine(key: str) -> None:
@@ -50,6 +54,27 @@ def record_moe_combine(key: str) -> None:
     if key not in _moe_combines:
         with _lock:
             _moe_combines.add(key)
+
+
+def record_fast_all_reduce(key: str) -> None:
+    """An all-reduce that is not a site, put on the fast path (pass and op, as record_site)."""
+    if key not in _fast:
+        with _lock:
+            _fast.add(key)
+
+
+def record_decision(graph_key: str, all_reduce: str, outcome: str, detail: str) -> None:
+    """What the pass did with one all-reduce: outcome "fused" (detail: the site's form),
+    "fast_path" (the plain fast all-reduce), "nccl" (left to NCCL; detail: why) or "merged" (folded
+    into another all-reduce by a rewrite; detail: which)."""
+    with _lock:
+        _decisions.append({"graph": graph_key, "all_reduce": all_reduce, "outcome": outcome, "detail": detail})
+
+
+def decisions() -> list[dict]:
+    """The pass's decisions, one dict per all-reduce, in the order it met them (this process)."""
+    with _lock:
+        return [dict(d) for d in _decisions]
 
 
 def record_pass_seconds(seconds: float) -> None:
@@ -81,7 +106,11 @@ def stats() -> dict:
     scaled_all_reduces_fused (f * AR(x), e.g. Granite's multiplier: sites whose op took f).
     moe_combines_fused counts the fused sites whose op also took in the MoE top-k combine in
     front of the all-reduce (arfusion::moe_combine_allreduce_rmsnorm), counted like fused_sites.
-    dispatch counts fused-op calls per backend, or "fallback" when a call ran unfused.
+    fast_path_all_reduces counts the all-reduces that are not sites and went on the fast path
+    (arfusion::all_reduce), counted like fused_sites; unfused_sites counts them too (they are not
+    fused into a site). dispatch counts op calls per backend: fused calls by backend name, or
+    "fallback" when a call ran unfused; fast-path calls as "<backend> all-reduce", or "nccl
+    all-reduce" where the fast path declined at run time.
     pass_seconds is the time spent inside the pass (what it adds to compiles).
     """
     with _lock:
@@ -99,6 +128,7 @@ def stats() -> dict:
             "scaled_sums_distributed": _collectives["scaled_sums_distributed"],
             "scaled_all_reduces_fused": _collectives["scaled_all_reduces_fused"],
             "moe_combines_fused": len(_moe_combines),
+            "fast_path_all_reduces": len(_fast),
             "dispatch": dict(_dispatch),
             "graphs": _graphs,
             "pass_seconds": _pass_seconds,
@@ -111,6 +141,8 @@ def reset_stats() -> None:
         _pass_seconds = 0.0
         _sites.clear()
         _moe_combines.clear()
+        _fast.clear()
+        _decisions.clear()
         _why_not.clear()
         _collectives.clear()
         _left.clear()

@@ -20,7 +20,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from . import reference
-from .backends.base import Site
+from .backends import flashinfer_dispatch as dispatch
+from .backends import get_backend
+from .core import Call, Site
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
                   3072, 4096, 6144, 8192)
@@ -140,8 +142,14 @@ def unfused_step(x, residual, weight, eps, group, norm_fn):
 def fused_step(x, residual, weight, eps, group_name, max_bytes, backend="flashinfer", quantized=""):
     """The fused op; with `quantized` it always runs that quantized all-reduce (threshold 0)."""
     return torch.ops.arfusion.fused_allreduce_rmsnorm(
-        x, residual, weight, eps, None, group_name, "rms", "none", None, True, backend, max_bytes, "",
-        quantized, 0 if quantized else -1)
+        x=x, residual=residual, weight=weight, eps=eps, eps_tensor=None, group_name=group_name, norm="rms",
+        quant="none", quant_scale=None, emit_norm=True, backend=backend, max_bytes=max_bytes,
+        quantized=quantized, quantized_min_bytes=0 if quantized else -1)
+
+
+def kernel_step(backend, call: Call, x, residual, weight, eps):
+    """The backend's fused kernel for `call` (its `oneshot` says which), without the op around it."""
+    return backend.run(call, x, residual, weight, eps, None)
 
 
 # ----------------------------------------------------------------- deriving the crossover
@@ -203,8 +211,6 @@ def quantized_crossover(rows: Iterable[Measured], oneshot_max: int, max_fused: i
 
 def save_entry(key: str, entry: dict, path: Path) -> None:
     """Merge one entry into the cache file, written atomically."""
-    from .backends import flashinfer_dispatch as dispatch
-
     data = {"version": dispatch.CACHE_VERSION, "entries": {}}
     try:
         old = json.loads(path.read_text())
@@ -231,10 +237,6 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     Collective: call on every rank of `group` (default WORLD), each on its own GPU. Returns the
     cache entry (identical on every rank).
     """
-    from .backends import flashinfer_dispatch as dispatch
-    from .backends import get_backend
-    from .backends.base import Call
-
     group = group or dist.group.WORLD
     group_name, world = group.group_name, group.size()
     rank = group.rank()
@@ -255,7 +257,6 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
     rows: list[Measured] = []
     bar = Progress(len(tokens), f"tune world={world} hidden={hidden}", enabled=progress and rank == 0)
-    saved_force = backend.force_oneshot
     try:
         for t in tokens:
             x = torch.randn(t, hidden, device=device, dtype=dtype)
@@ -263,14 +264,13 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
             x_unfused = x.clone()  # reduced in place over and over; keep x itself finite
             times = [time_in_graph(lambda: unfused_step(x_unfused, res, weight, eps, group, norm_fn),
                                    group, calls, replays)]
-            for force in (True, False):
-                if not force and t <= world:
+            for oneshot in (True, False):
+                if not oneshot and t <= world:
                     times.append(float("nan"))
                     continue
-                backend.force_oneshot = force
-                times.append(time_in_graph(lambda: fused_step(x, res, weight, eps, group_name, max_bytes),
+                call = replace(probe, tokens=t, oneshot=oneshot)
+                times.append(time_in_graph(lambda: kernel_step(backend, call, x, res, weight, eps),
                                            group, calls, replays))
-            backend.force_oneshot = saved_force
             if quantized:
                 times.append(time_in_graph(lambda: fused_step(x, res, weight, eps, group_name, max_bytes,
                                                               quantized=quantized), group, calls, replays))
@@ -280,7 +280,6 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
                        + ("" if two != two else f" two-shot {two:.1f}us")
                        + (f" {quantized} {quant[0]:.1f}us" if quant else ""))
     finally:
-        backend.force_oneshot = saved_force
         bar.close()
 
     oneshot_max, max_fused = crossover(rows, world)

@@ -319,6 +319,7 @@ def _fake_flashinfer(process):
     """The FlashInfer stand-in of tests/test_flashinfer_backend.py, run by the real op on CPU
     tensors; its workspace all-reduces over the group it was created for, as a real one (IPC
     buffers of that group's peers) does."""
+    from arfusion import runtime
     from arfusion.backends import flashinfer as fi
     from arfusion.backends import get_backend
 
@@ -326,7 +327,7 @@ def _fake_flashinfer(process):
 
     calls = install_fake_flashinfer()
     fi.device_facts = lambda index: replace(H200, uuid=f"GPU-fake-{process}")
-    fi._device_index = lambda device: 0
+    runtime.device_index = lambda device: 0
     backend = get_backend("flashinfer")
     backend.capabilities = replace(backend.capabilities, device_types=frozenset({"cpu"}))
     backend.unavailable = lambda device: None
@@ -335,7 +336,7 @@ def _fake_flashinfer(process):
 
 def _fused_op_vs_reference(process, backend_name):
     from arfusion import reference
-    from arfusion.backends.base import Site
+    from arfusion.core import Site
 
     torch.manual_seed(400 + process)
     x, res = torch.randn(8, 64, dtype=BF16), torch.randn(8, 64, dtype=BF16)

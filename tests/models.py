@@ -156,3 +156,9 @@ def experts_sum_float64(experts, x, index, weights):
             out[t] += weights[t, k].double() * row
     return out
 
+
+def op_arguments(node) -> tuple:
+    """An op node's arguments in schema order (the pass calls arfusion's ops by keyword)."""
+    names = [a.name for a in node.target._schema.arguments]
+    given = dict(zip(names, node.args), **node.kwargs)
+    return tuple(given.get(a.name, a.default_value) for a in node.target._schema.arguments)

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import arfusion.ops
-from arfusion import quant, reference
+from arfusion import quant, reference, runtime
 from arfusion.backends import aiter as ab
 from arfusion.backends import get_backend, resolve
-from arfusion.backends.base import Call, Site
+from arfusion.core import Call, Site
 
 from .fake_aiter import V017, V_MAIN, V_STAGE, FakeAiter, fake_quantize
 
@@ -39,7 +39,7 @@ def clean_state():
     ab.detect.cache_clear()
     ab._reference_layout.cache_clear()
     ab._gloo_groups.clear()
-    arfusion.ops._logged.clear()
+    arfusion.runtime._logged.clear()
     yield
     ab.detect.cache_clear()
     ab._reference_layout.cache_clear()
@@ -96,7 +96,7 @@ def rocm_env(monkeypatch):
                             lambda normed, form, scale: fake_quantize(normed, form, scale, fake.fp8))
         monkeypatch.setattr(ab, "_resolve_group", lambda name: f"pg:{name}")
         monkeypatch.setattr(ab, "gloo_twin", lambda group: f"gloo:{group}")
-        monkeypatch.setattr(ab, "_capturing", lambda: False)
+        monkeypatch.setattr(runtime, "capturing", lambda: False)
         return fake
 
     return setup
@@ -546,11 +546,11 @@ def test_disabled_communicator_runs_unfused(rocm_env):
 def test_no_set_up_during_graph_capture(rocm_env, monkeypatch):
     fake = rocm_env("gfx950", V_MAIN)
     backend = ab.AiterBackend()
-    monkeypatch.setattr(ab, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
     assert "CUDA graph capture" in backend.prepare(call())
     run_and_expect(backend, call())
     assert fake.names() == []
-    monkeypatch.setattr(ab, "_capturing", lambda: False)
+    monkeypatch.setattr(runtime, "capturing", lambda: False)
     assert backend.prepare(call()) is None
     run_and_expect(backend, call())
     assert fake.names() == ["__init__", "custom_fused_ar_rms"]

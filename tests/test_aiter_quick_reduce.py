@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 import arfusion.ops
-from arfusion import reference
+from arfusion import reference, runtime
 from arfusion.backends import aiter as ab
-from arfusion.backends.base import Call
+from arfusion.core import Call
 
 from .fake_aiter import QR_DEFAULT_MAX, V017, V_MAIN, V_STAGE, FakeAiter
 from .test_aiter_backend import CUDA, GROUP, call, simulate_rocm
@@ -40,7 +40,7 @@ def clean_state(monkeypatch):
     ab.detect.cache_clear()
     ab.quick_reduce_api.cache_clear()
     ab._gloo_groups.clear()
-    arfusion.ops._logged.clear()
+    arfusion.runtime._logged.clear()
     yield
     ab.detect.cache_clear()
     ab.quick_reduce_api.cache_clear()
@@ -60,7 +60,7 @@ def qr_env(monkeypatch):
         simulate_rocm(monkeypatch, arch, fake)
         monkeypatch.setattr(ab, "_resolve_group", lambda name: f"pg:{name}")
         monkeypatch.setattr(ab, "gloo_twin", lambda group: f"gloo:{group}")
-        monkeypatch.setattr(ab, "_capturing", lambda: False)
+        monkeypatch.setattr(runtime, "capturing", lambda: False)
         monkeypatch.setattr(ab, "_rank_and_size", lambda group: fake.calls.append(("rank_and_size", (group,), {}))
                             or (0, world_size))
         agreements = list(peer_agree)
@@ -327,12 +327,12 @@ def test_failed_set_up_declines_every_later_call_without_retry(qr_env, caplog, v
 def test_no_set_up_during_graph_capture(qr_env, monkeypatch):
     fake = qr_env(V_MAIN)
     backend = ab.AiterBackend()
-    monkeypatch.setattr(ab, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
     assert "never set up during CUDA-graph capture" in backend.prepare_quantized(sized(64 * MIB), "int4")
     assert fake.calls == []
-    monkeypatch.setattr(ab, "_capturing", lambda: False)
+    monkeypatch.setattr(runtime, "capturing", lambda: False)
     assert backend.prepare_quantized(sized(64 * MIB), "int4") is None
-    monkeypatch.setattr(ab, "_capturing", lambda: True)  # once set up, captures may use it
+    monkeypatch.setattr(runtime, "capturing", lambda: True)  # once set up, captures may use it
     assert backend.prepare_quantized(sized(64 * MIB), "int4") is None
     assert qr_names(fake).count("init_custom_qr") == 1
 
@@ -377,7 +377,7 @@ def test_op_calls_qr_all_reduce_in_aiters_argument_order(qr_env, monkeypatch, ve
     x = torch.randn(2, 4, 1024, generator=g).to(dtype)
     residual = torch.randn(2, 4, 1024, generator=g).to(dtype)
     weight = (1 + 0.1 * torch.randn(1024, generator=g)).to(dtype)
-    outs = arfusion.ops.quantized_or_none(backend, c, x, residual, weight, 1e-6, None, level, 0)
+    outs = arfusion.execution.quantized_or_none(backend, c, x, residual, weight, 1e-6, None, level, 0)
     name, args, kwargs = fake.calls[-1]
     assert name == "qr_all_reduce" and kwargs == {} and len(args) == 5
     ptr, inp, out, quant_level, cast_bf2half = args
@@ -397,7 +397,7 @@ def test_op_below_the_crossover_takes_the_exact_path_without_set_up(qr_env, capl
     c = call(tokens=8, hidden=1024)
     x = torch.randn(8, 1024).to(BF16)
     with caplog.at_level(logging.INFO, logger="arfusion"):
-        outs = arfusion.ops.quantized_or_none(ab.AiterBackend(), c, x, None, torch.ones(1024, dtype=BF16), 1e-6,
+        outs = arfusion.execution.quantized_or_none(ab.AiterBackend(), c, x, None, torch.ones(1024, dtype=BF16), 1e-6,
                                               None, "int4", -1)
     assert outs is None and fake.calls == []
     assert any("exact all-reduce, not int4" in r.getMessage() and "_QR_MIN_SIZE" in r.getMessage()
@@ -410,7 +410,7 @@ def test_op_after_a_failed_set_up_takes_the_exact_path(qr_env):
     c = call(tokens=8, hidden=1024)
     x = torch.randn(8, 1024).to(BF16)
     for _ in range(2):
-        assert arfusion.ops.quantized_or_none(backend, c, x, None, torch.ones(1024, dtype=BF16), 1e-6, None,
+        assert arfusion.execution.quantized_or_none(backend, c, x, None, torch.ones(1024, dtype=BF16), 1e-6, None,
                                               "int4", 0) is None
     assert qr_names(fake) == ["init_custom_qr"]
 

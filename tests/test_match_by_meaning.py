@@ -21,6 +21,7 @@ from torch import nn
 import arfusion
 from arfusion.fusion_pass import ALL_REDUCE, FUSED_OP, ArFusionPass, ChainedPass
 
+from .models import op_arguments
 from .test_numerics_gloo import assert_close
 
 H = 256
@@ -118,7 +119,7 @@ def run(module, dtype=torch.bfloat16, lead=(2, 5), dynamic=False, quant_forms=No
     seen = {}
 
     def inspect(graph):
-        seen["fused"] = [n.args for n in graph.nodes if n.target is FUSED_OP]
+        seen["fused"] = [op_arguments(n) for n in graph.nodes if n.target is FUSED_OP]
         seen["left"] = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
 
     config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch",

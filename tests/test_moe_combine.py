@@ -202,9 +202,8 @@ def test_a_shared_expert_goes_into_the_op_with_the_combine(fake_pg, shared, fp32
 
 def _moe_op_scales(graph) -> list[tuple[float, float]]:
     """(routed_scale, input_scale) of each MoE op in `graph`."""
-    names = [a.name for a in MOE_OP._schema.arguments]
-    return [tuple(n.args[names.index(k)] if len(n.args) > names.index(k) else 1.0
-                  for k in ("routed_scale", "input_scale")) for n in graph.nodes if n.target is MOE_OP]
+    return [(n.kwargs.get("routed_scale", 1.0), n.kwargs.get("input_scale", 1.0))
+            for n in graph.nodes if n.target is MOE_OP]
 
 
 @pytest.mark.parametrize("shared, routed_scale, scales", [
@@ -373,7 +372,7 @@ def test_real_hf_moe_model_fuses_every_site_and_its_combines(model_type):
 def test_flashinfer_dispatch_entry_is_decode_only(monkeypatch, tmp_path):
     from arfusion.backends import flashinfer as fi
     from arfusion.backends import flashinfer_dispatch as dispatch
-    from arfusion.backends.base import Call, Site
+    from arfusion.core import Call, Site
 
     from .test_flashinfer_backend import H200, install_fake_flashinfer, remove_fake_flashinfer
 
@@ -412,10 +411,10 @@ def test_flashinfer_dispatch_entry_is_decode_only(monkeypatch, tmp_path):
 def _flashinfer_worker(rank):
     from dataclasses import replace
 
-    from arfusion import reference
+    from arfusion import reference, runtime
     from arfusion.backends import flashinfer as fi
     from arfusion.backends import get_backend
-    from arfusion.backends.base import Site
+    from arfusion.core import Site
 
     from . import test_flashinfer_backend as tfb
 
@@ -453,7 +452,7 @@ def _flashinfer_worker(rank):
     sys_trtllm = __import__("sys").modules["flashinfer.comm.trtllm_ar"]
     sys_trtllm.trtllm_moe_finalize_allreduce_fusion = trtllm_moe_finalize_allreduce_fusion
     fi.device_facts = lambda index: replace(tfb.H200, uuid=f"GPU-fake-{rank}")
-    fi._device_index = lambda device: 0
+    runtime.device_index = lambda device: 0
     backend = get_backend("flashinfer")
     backend.capabilities = replace(backend.capabilities, device_types=frozenset({"cpu"}))
     backend.unavailable = lambda device: None

@@ -104,7 +104,7 @@ def _op_outputs_by_name(rank):
     """Direct op calls: each output is what its name says, on both the fused and fallback path."""
     import arfusion
     from arfusion import reference
-    from arfusion.backends.base import Site
+    from arfusion.core import Site
 
     group = dist.group.WORLD.group_name
     torch.manual_seed(rank)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from arfusion import ops, reference
-from arfusion.backends.base import Site
+from arfusion import execution, reference, runtime
+from arfusion.core import Site
 
 SITE = Site(residual=True, norm="rms", quant="fp8_dynamic", emit_norm=True)
 
@@ -25,7 +25,7 @@ def inputs():
 
 
 def test_cpu_fallback_is_the_eager_reference(world_of_one, monkeypatch):
-    monkeypatch.setattr(ops, "compiled", lambda fn: pytest.fail("compiled on CPU"))
+    monkeypatch.setattr(execution, "compiled", lambda fn: pytest.fail("compiled on CPU"))
     x, res, w = inputs()
     got = declined_call(world_of_one, x, res, w)
     want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
@@ -33,12 +33,12 @@ def test_cpu_fallback_is_the_eager_reference(world_of_one, monkeypatch):
 
 
 def test_gpu_fallback_is_all_reduce_plus_compiled_norm(world_of_one, monkeypatch):
-    monkeypatch.setattr(ops, "compiles_fallback", lambda device: True)  # as on CUDA
-    used, real = [], ops.compiled
-    monkeypatch.setattr(ops, "compiled", lambda fn: used.append(fn) or real(fn))
+    monkeypatch.setattr(execution, "compiles_fallback", lambda device: True)  # as on CUDA
+    used, real = [], execution.compiled
+    monkeypatch.setattr(execution, "compiled", lambda fn: used.append(fn) or real(fn))
     reduced = []
-    real_ar = ops.all_reduce_on_current_stream  # blocking dist.all_reduce: NCCL on the caller's stream
-    monkeypatch.setattr(ops, "all_reduce_on_current_stream", lambda x, g: reduced.append(g) or real_ar(x, g))
+    real_ar = execution.all_reduce_on_current_stream  # blocking dist.all_reduce: NCCL on the caller's stream
+    monkeypatch.setattr(execution, "all_reduce_on_current_stream", lambda x, g: reduced.append(g) or real_ar(x, g))
     x, res, w = inputs()
     want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
     monkeypatch.setattr(reference, "all_reduce_sum", lambda x, g: pytest.fail("functional all_reduce used"))
@@ -57,15 +57,15 @@ def _norm_only(h):  # a function of its own: `compiled` caches per function
 
 def test_never_compiles_during_capture(monkeypatch):
     counters.clear()
-    fast = ops.compiled(_norm_only)
+    fast = runtime.compiled(_norm_only)
     h = torch.randn(4, 64)
-    monkeypatch.setattr(ops, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
     assert torch.allclose(fast(h), _norm_only(h))  # capturing, nothing compiled yet: eager
     assert counters["stats"]["unique_graphs"] == 0
-    monkeypatch.setattr(ops, "_capturing", lambda: False)
+    monkeypatch.setattr(runtime, "capturing", lambda: False)
     fast(h)  # the first eager call compiles
     assert counters["stats"]["unique_graphs"] == 1
-    monkeypatch.setattr(ops, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
     h7 = torch.randn(7, 64)
     assert torch.allclose(fast(h7), _norm_only(h7), atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1  # dynamic shapes: no new graph in the capture
@@ -81,7 +81,7 @@ def test_a_failing_compile_falls_back_to_eager(monkeypatch):
         return 2 * h
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: boom)
-    fast = ops.compiled(_double)
+    fast = runtime.compiled(_double)
     assert torch.equal(fast(torch.ones(2)), torch.full((2,), 2.0))
 
 

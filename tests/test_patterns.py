@@ -12,7 +12,7 @@ from torch import nn
 import arfusion
 from arfusion.fusion_pass import ALL_REDUCE, FUSED_OP, ArFusionPass, ChainedPass
 
-from .models import RowParallelThenNorm, TinyDecoder
+from .models import RowParallelThenNorm, TinyDecoder, op_arguments
 
 HIDDEN = 64
 RESIDUALS = ("first", "last", "none")
@@ -24,7 +24,7 @@ def compile_and_inspect(module, *inputs, config=None, dynamic=False):
     seen = {}
 
     def inspect(graph):
-        seen["fused"] = [n.args for n in graph.nodes if n.target is FUSED_OP]
+        seen["fused"] = [op_arguments(n) for n in graph.nodes if n.target is FUSED_OP]
         seen["left"] = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
 
     config = config or arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from arfusion import quantized_comm
 from arfusion.backends import flashinfer as fi
 from arfusion.backends import flashinfer_dispatch as dispatch
-from arfusion.backends.base import Call, Site
+from arfusion.core import Call, Site
 from arfusion.backends.torch_ref import TorchBackend
 from arfusion.config import QUANTIZED_ENV, QUANTIZED_LEVELS, PassConfig
 

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .base import Backend, Call, Capabilities, Site  # noqa: F401  (public API)
+from .base import Backend, Capabilities
 
 log = logging.getLogger("arfusion")
 

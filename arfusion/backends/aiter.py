@@ -39,11 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import reference
-from ..config import QUANT_FORMS
-from .base import Backend, Call, Capabilities, PerGroup, flatten_tokens, group_is_live, hash63, outside_graph_pools
+from .. import quant, reference, runtime
+from ..core import QUANT_FORMS, Call, flatten_tokens
+from ..runtime import PerGroup, group_is_live, hash63, log_once, outside_graph_pools
 # A module name of its own, so tests can stand in for the collective.
-from .base import all_ranks_agree as _all_agree
+from ..runtime import all_ranks_agree as _all_agree
+from .base import Backend, Capabilities
 
 log = logging.getLogger("arfusion")
 
@@ -149,12 +150,6 @@ UNFUSED = "unfused"
 
 # Quant forms with an aiter one-kernel path.
 _ONE_KERNEL_QUANTS = ("fp8_group", "fp8_dynamic")
-
-
-def _log_once(message: str) -> None:
-    from ..ops import log_once  # local: ops imports the backend registry
-
-    log_once(message)
 
 
 # ---------------------------------------------------------------- what the installed aiter offers
@@ -268,10 +263,6 @@ def detect(device_index: int) -> Detected | str:
     return Detected(arch=family, api=api, custom_ar=custom_ar)
 
 
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def quant_dtype(arch: str) -> torch.dtype:
     return LIMITS.fp8_dtypes[arch]
 
@@ -364,8 +355,6 @@ def _reference_layout(quantize, form: str, dtype: torch.dtype, hidden: int):
 def _reference_layout_problem(call: Call, fp8: torch.dtype) -> str | None:
     """The fused op promised the reference quant's outputs (its fake impl), so the kernel's
     quant and scale must have exactly their dtype, shape and layout."""
-    from .. import quant  # local: written alongside; read at call time so tests can patch it
-
     try:
         expected = _reference_layout(quant.quantize, call.site.quant, call.dtype, call.hidden)
     except Exception as e:
@@ -423,10 +412,6 @@ def gloo_twin(group):
     if ranks not in _gloo_groups or not group_is_live(_gloo_groups[ranks]):
         _gloo_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return _gloo_groups[ranks]
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def create_communicator(custom_ar: Any, group_name: str, device: torch.device) -> Any:
@@ -607,7 +592,7 @@ def set_up_quick_reduce(state: _QuickReduceGroup, group_name: str, world_size: i
     if not _all_agree(error is None, group):
         state.failed = f"aiter init_custom_qr failed: {error or 'on another rank of the group'}"
         if ptr is not None:
-            _log_once(f"arfusion: aiter quick all-reduce of group {group_name} left allocated after a failed set-up")
+            log_once(f"arfusion: aiter quick all-reduce of group {group_name} left allocated after a failed set-up")
         return state.failed
 
     try:
@@ -622,7 +607,7 @@ def set_up_quick_reduce(state: _QuickReduceGroup, group_name: str, world_size: i
             except Exception:
                 pass
         else:
-            _log_once(f"arfusion: aiter quick all-reduce of group {group_name} left allocated after a failed set-up")
+            log_once(f"arfusion: aiter quick all-reduce of group {group_name} left allocated after a failed set-up")
         return state.failed
 
     state.ptr, state.destroy = ptr, api.ops.qr_destroy
@@ -674,8 +659,6 @@ def _run_fused_norm(comm, call: Call, inp: _Inputs, found: Detected):
     normed, residual_out = result if api.norm_first else (result[1], result[0])
     produced = {"residual": residual_out, "norm": normed}
     if site.quant != "none":
-        from .. import quant
-
         produced.update(quant.quantize(normed, site.quant, inp.quant_scale))
     return produced
 
@@ -684,7 +667,7 @@ def _run_unfused(comm, call: Call, inp: _Inputs, found: Detected):
     try:
         reduced = comm.custom_all_reduce(inp.x)
     except Exception as e:
-        _log_once(f"arfusion: aiter plain all-reduce raised {type(e).__name__}: {e}; using torch's")
+        log_once(f"arfusion: aiter plain all-reduce raised {type(e).__name__}: {e}; using torch's")
         reduced = None
     if reduced is None:
         reduced = reference.all_reduce_sum(inp.x, call.group_name)
@@ -730,7 +713,7 @@ class AiterBackend(Backend):
         if device.type != "cuda":
             return f"aiter runs on ROCm GPUs only, not on {device.type}"
         try:
-            index = _device_index(device)
+            index = runtime.device_index(device)
         except Exception as e:
             return f"no current GPU: {type(e).__name__}: {e}"
         return detect(index)
@@ -782,18 +765,18 @@ class AiterBackend(Backend):
     def run(self, call, x, residual, weight, eps, quant_scale):
         comm = self._ready_communicator(call)  # prepare() made it; this also covers callers without it
         if isinstance(comm, str):
-            _log_once(f"arfusion: {call.site.name} ran unfused on aiter: {comm}")
+            log_once(f"arfusion: {call.site.name} ran unfused on aiter: {comm}")
             return reference.unfused(x, residual, weight, eps, call.group_name, call.site, quant_scale)
         found = self._detected(call.device)
         inp = _inputs(x, residual, weight, eps, quant_scale)
         stages, skipped = plan(call, found, quant_disabled_by_env())
         for reason in skipped:
-            _log_once(f"arfusion: {call.site.name}: {reason}")
+            log_once(f"arfusion: {call.site.name}: {reason}")
         for stage in stages[:-1]:
             produced, reason = _attempt(stage, comm, call, inp, found)
             if produced is not None:
                 return [produced[name] for name in call.site.outputs()]
-            _log_once(f"arfusion: {call.site.name}: aiter {stage} {reason}; trying the next stage")
+            log_once(f"arfusion: {call.site.name}: aiter {stage} {reason}; trying the next stage")
         # The last stage is the reference math: its errors are real errors, so they propagate.
         produced = _STAGES[stages[-1]](comm, call, inp, found)
         return [produced[name] for name in call.site.outputs()]
@@ -805,7 +788,7 @@ class AiterBackend(Backend):
             found = self._detected(call.device)
             if isinstance(found, str):
                 return found
-            if _capturing():
+            if runtime.capturing():
                 return "aiter set-up is not done during CUDA graph capture; run one eager step first"
             comm = outside_graph_pools(
                 call.device, lambda: create_communicator(found.custom_ar, call.group_name, call.device))
@@ -865,7 +848,7 @@ class AiterBackend(Backend):
         state = self._quick_reduce.current(call.group_name)
         if state.failed or state.ptr is not None:
             return state.failed
-        if _capturing():
+        if runtime.capturing():
             return ("aiter's quick all-reduce is never set up during CUDA-graph capture: run the model "
                     "once eagerly first")
         return outside_graph_pools(

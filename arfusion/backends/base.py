@@ -8,77 +8,12 @@ path and a collective kernel is never entered by only some of them.
 
 from __future__ import annotations
 
-import hashlib
-import math
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-T = TypeVar("T")
-
-# Norm forms, with norm(x) the fp32 normalisation: "rms" is y = w * norm(x).to(dtype) (HF Llama,
-# Qwen, Mistral: rounded before the weight multiply), "rms_fp32_weight" is
-# y = (norm(x) * w.float()).to(dtype) (OLMo2, torch.nn.RMSNorm: one rounding, as the fused
-# kernels compute), "gemma_rms" is y = (norm(x) * (1 + w.float())).to(dtype).
-NORM_FORMS = ("rms", "rms_fp32_weight", "gemma_rms")
-
-
-@dataclass(frozen=True)
-class Site:
-    """What one fused site computes; fixed when the pattern is rewritten."""
-
-    residual: bool  # an add of a residual precedes the norm
-    norm: str  # one of NORM_FORMS
-    quant: str = "none"  # "none" or one of config.QUANT_FORMS
-    emit_norm: bool = True  # the unquantized norm output is produced too
-
-    @property
-    def name(self) -> str:
-        """Pattern name as shown in stats: says what is fused."""
-        parts = ["allreduce", "add" if self.residual else None, self.norm.replace("rms", "rmsnorm")]
-        if self.quant != "none":
-            parts.append(self.quant + ("_with_norm_out" if self.emit_norm else ""))
-        return "_".join(p for p in parts if p)
-
-    def outputs(self) -> tuple[str, ...]:
-        """Names of the fused op's outputs, in order: the one place that fixes the indices."""
-        outs = ["residual"]
-        if self.emit_norm:
-            outs.append("norm")
-        if self.quant != "none":
-            outs.append("quant")
-            if self.quant != "fp8_static":
-                outs.append("scale")
-        return tuple(outs)
-
-
-@dataclass(frozen=True)
-class Call:
-    """One invocation of a fused site. `tokens` is None while unknown (symbolic at compile time)."""
-
-    site: Site
-    tokens: int | None
-    hidden: int
-    dtype: torch.dtype
-    weight_dtype: torch.dtype
-    world_size: int
-    device: torch.device
-    group_name: str = ""
-    input_scaled: bool = False  # x is multiplied by a number first: one more pass where a kernel runs
-
-    @property
-    def nbytes(self) -> int | None:
-        """Bytes of the per-rank input."""
-        if self.tokens is None:
-            return None
-        return self.tokens * self.hidden * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+from ..core import NORM_FORMS, Call
 
 
 @dataclass(frozen=True)
@@ -235,122 +170,24 @@ class Backend:
         """The sum over the group of `x` ([T, H], contiguous), sent as `level`."""
         raise NotImplementedError
 
+    # Plain all-reduce (`arfusion::all_reduce`): an all-reduce the pass does not fuse into a site.
+    # `plain_why_not` decides from same-on-every-rank facts (tokens None: decided at run time),
+    # `prepare_plain` readies the kernel's resources at run time (collective where it makes
+    # anything; never during capture), `all_reduce` returns the sum as a new tensor. A backend
+    # without a fast kernel says why not, and the op runs NCCL on the caller's stream.
 
-def flatten_tokens(t: torch.Tensor) -> torch.Tensor:
-    """2-D contiguous [tokens, hidden] view, as fused kernels want."""
-    return t.reshape(-1, t.shape[-1]).contiguous()
+    def plain_why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+        """None if this backend's fast all-reduce takes `call` (its `site` is core.PLAIN)."""
+        return f"backend {self.name} has no fast plain all-reduce"
 
-
-def num_tokens(shape: Sequence[int]) -> int:
-    return math.prod(shape[:-1])
-
-
-def outside_graph_pools(device: torch.device, create: Callable[[], T]) -> T:
-    """create() with its allocations in the ordinary pool: for what outlives a call (workspaces,
-    a cached zero residual).
-
-    During the eager warm-up of torch.compile(mode="reduce-overhead"), cudagraph trees send every
-    allocation made by the current *thread* (any stream) to the graph's private pool, and later
-    refuse to run while tensors they do not track live there ("tensor(s) in the cudagraph pool
-    not tracked as outputs"; seen on 2xH200 and 4xH200). So create() runs on a helper thread,
-    with the caller blocked until it is done.
-    """
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return create()
-    caller_stream = torch.cuda.current_stream(device)
-
-    def on_device() -> T:
-        torch.cuda.set_device(device)  # a new thread starts on device 0
-        side = torch.cuda.Stream(device)
-        side.wait_stream(caller_stream)
-        with torch.cuda.stream(side):
-            made = create()
-        side.synchronize()  # once per workspace: the caller may use it on any stream
-        return made
-
-    return on_helper_thread(on_device)
-
-
-def on_helper_thread(fn: Callable[[], T]) -> T:
-    """fn() on a fresh thread while this one waits; its result, or its exception re-raised here."""
-    outcome: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            outcome["value"] = fn()
-        except BaseException as e:  # handed to the caller
-            outcome["error"] = e
-
-    thread = threading.Thread(target=target, name="arfusion-outside-graph-pools")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def hash63(text: str) -> int:
-    """A stable integer that fits an int64 tensor, to compare strings across ranks."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def all_ranks_agree(ok: bool, group, device: torch.device = torch.device("cpu")) -> bool:
-    """True on every rank if `ok` is true on every rank of `group` (a collective; `device` is
-    where the group's backend communicates: the GPU for NCCL, the CPU for gloo)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
-
-
-def resolve_group(group_name: str):
-    """The live ProcessGroup of that name, or None (no such group: unit tests' made-up names)."""
-    try:
-        return dist.distributed_c10d._resolve_process_group(group_name)
-    except RuntimeError:
+    def prepare_plain(self, call: Call) -> str | None:
+        """Run time only, after `plain_why_not` accepted: None when ready, else why not."""
         return None
 
+    def all_reduce(self, call: Call, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of `x` ([T, H], contiguous), as a new tensor."""
+        raise NotImplementedError
 
-def group_is_live(group) -> bool:
-    """False once destroy_process_group has removed `group` (its object may still be held)."""
-    try:
-        dist.get_process_group_ranks(group)
-    except (KeyError, ValueError, RuntimeError):
-        return False
-    return True
-
-
-class PerGroup(dict):
-    """Backend state per process group, looked up by the group's name.
-
-    Names are handed out again: destroy_process_group + init_process_group make a new "0" with
-    other peers, and a graph compiled before resolves the name when it runs. State made for the
-    old group (buffers opened from the old peers' IPC handles) would then reduce with the old
-    peers, silently. So each entry remembers the ProcessGroup it was made for, and a name that
-    now resolves to another one gets fresh state; the replaced entry moves to `stale` (graphs
-    captured earlier may still point into its buffers) and is freed with the rest at close().
-    """
-
-    def __init__(self, make: Callable[[], Any], resolve: Callable[[str], Any] = resolve_group):
-        super().__init__()
-        self.make, self.resolve = make, resolve
-        self.stale: list = []
-        self._made_for: dict[str, Any] = {}
-
-    def current(self, group_name: str):
-        """The state of the group the name resolves to now; made on first use."""
-        group = self.resolve(group_name)
-        if group_name in self and self._made_for[group_name] != group:  # ProcessGroup: by identity
-            self.stale.append(self.pop(group_name))
-        if group_name not in self:
-            self[group_name] = self.make()
-            self._made_for[group_name] = group
-        return self[group_name]
-
-    def everything(self) -> list:
-        """Current and stale states: what close() frees."""
-        return [*self.values(), *self.stale]
-
-    def clear(self) -> None:
-        super().clear()
-        self.stale.clear()
-        self._made_for.clear()
+    def close(self) -> None:
+        """Free what this backend holds (workspaces, IPC buffers). Collective where it made
+        anything: call it on every rank, after the last call. Also registered at exit."""

@@ -45,10 +45,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import quant
+from .. import quant, runtime
+from ..core import NORM_FORMS, Call, flatten_tokens
+from ..runtime import PerGroup, all_ranks_agree, comm_device, hash63, outside_graph_pools
 from . import flashinfer_dispatch as dispatch
-from .base import (NORM_FORMS, Backend, Call, Capabilities, PerGroup, all_ranks_agree, flatten_tokens, hash63,
-                   outside_graph_pools)
+from .base import Backend, Capabilities
 
 log = logging.getLogger("arfusion")
 
@@ -87,19 +88,6 @@ class DeviceFacts:
 def device_facts(index: int) -> DeviceFacts:
     props = torch.cuda.get_device_properties(index)
     return DeviceFacts((props.major, props.minor), props.name, str(props.uuid))
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def _capturing() -> bool:
-    return _has_cuda() and torch.cuda.is_current_stream_capturing()
-
-
-@functools.cache
-def _has_cuda() -> bool:
-    return torch.cuda.is_available()
 
 
 def _flashinfer_version() -> str:
@@ -171,7 +159,6 @@ class FlashInferBackend(Backend):
     # keeps the cross-rank sum as exact as the fp32 RMS that follows.
     launch_with_pdl: bool = True
     fp32_acc: bool = True
-    force_oneshot: bool | None = None  # benchmarks only: override the table's switch
     _groups: PerGroup = field(default_factory=lambda: PerGroup(_GroupState), repr=False)
 
     def __post_init__(self) -> None:
@@ -182,7 +169,7 @@ class FlashInferBackend(Backend):
     def unavailable(self, device: torch.device) -> str | None:
         if device.type != "cuda" or torch.version.hip:
             return "needs an NVIDIA CUDA device"
-        return _environment_problem(_device_index(device))
+        return _environment_problem(runtime.device_index(device))
 
     def shape_check(self, call: Call) -> str | None:
         if call.weight_dtype != call.dtype:
@@ -202,7 +189,7 @@ class FlashInferBackend(Backend):
         return None
 
     def limits(self, call: Call) -> dispatch.Limits | None:
-        facts = device_facts(_device_index(call.device))
+        facts = device_facts(runtime.device_index(call.device))
         return dispatch.limits_for(facts.sm[0], facts.name, call.world_size, call.hidden, call.dtype)
 
     def default_max_bytes(self, call: Call) -> int | None:
@@ -213,7 +200,7 @@ class FlashInferBackend(Backend):
         reason = self.capabilities.why_not(call) or self.unavailable(call.device) or self.shape_check(call)
         if reason:
             return reason
-        sm = device_facts(_device_index(call.device)).sm[0]
+        sm = device_facts(runtime.device_index(call.device)).sm[0]
         reason = dispatch.quant_problem(call.site.quant, sm, torch.version.cuda)
         if reason:
             return reason
@@ -237,8 +224,8 @@ class FlashInferBackend(Backend):
         return None
 
     def use_oneshot(self, call: Call) -> bool:
-        if self.force_oneshot is not None:
-            return self.force_oneshot or call.tokens <= call.world_size
+        if call.oneshot is not None:  # tuning and benchmarks force a kernel (two-shot needs T > world)
+            return call.oneshot or call.tokens <= call.world_size
         limits = self.limits(call) or dispatch.Limits(0, 0, "none")
         return dispatch.use_oneshot(limits, call.tokens, call.nbytes, call.world_size)
 
@@ -252,7 +239,7 @@ class FlashInferBackend(Backend):
         if state.failed:
             return state.failed
         if not self._fits(state, call):
-            if _capturing():
+            if runtime.capturing():
                 return ("no large enough FlashInfer workspace yet and workspaces are never created "
                         "during CUDA-graph capture: run the model once eagerly first")
             # Sized for the largest input this configuration fuses (the user's cap, else the
@@ -262,7 +249,7 @@ class FlashInferBackend(Backend):
             reason = outside_graph_pools(call.device, lambda: self._create_workspace(state, call, wanted))
             if reason:
                 return reason
-        if not call.site.residual and call.dtype not in state.zeros and not _capturing():
+        if not call.site.residual and call.dtype not in state.zeros and not runtime.capturing():
             state.zeros[call.dtype] = outside_graph_pools(
                 call.device, lambda: torch.zeros(state.capacity_elems, dtype=call.dtype, device=call.device))
         return None
@@ -295,12 +282,12 @@ class FlashInferBackend(Backend):
         """(workspace, None) or (None, why not): collective over the call's group, and every rank
         returns the same verdict (readiness first, then creation, then its success)."""
         group = dist.distributed_c10d._resolve_process_group(call.group_name)
-        comm_device = call.device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+        comm_dev = comm_device(group, call.device)
         local_problem = _build_kernels() or _memory_problem(
             call.device, dispatch.workspace_bytes_bound(group.size(), max_tokens, call.hidden))
-        facts = [] if local_problem else _rank_facts(_device_index(call.device))
-        verdict = _group_verdict(local_problem, facts, group, comm_device)
-        if not all_ranks_agree(verdict is None, group, comm_device):
+        facts = [] if local_problem else _rank_facts(runtime.device_index(call.device))
+        verdict = _group_verdict(local_problem, facts, group, comm_dev)
+        if not all_ranks_agree(verdict is None, group, comm_dev):
             return None, verdict or "another rank of the group cannot use FlashInfer (see its log)"
 
         workspace, error = None, None
@@ -312,7 +299,7 @@ class FlashInferBackend(Backend):
                 comm_backend=_exchange_backend(group, call.group_name))
         except Exception as e:  # reported below, after every rank has said how it went
             error = f"{type(e).__name__}: {e}"
-        if not all_ranks_agree(error is None, group, comm_device):
+        if not all_ranks_agree(error is None, group, comm_dev):
             if workspace is not None:
                 workspace.destroy()
             return None, f"FlashInfer workspace creation failed: {error or 'on another rank'}"
@@ -371,7 +358,7 @@ class FlashInferBackend(Backend):
             return "the MoE finalize kernel is used for unquantized sites only"
         if rows is not None and rows >= 2 ** 31:
             return "more permuted rows than an int32 index addresses"
-        sm = device_facts(_device_index(call.device)).sm[0]
+        sm = device_facts(runtime.device_index(call.device)).sm[0]
         return dispatch.moe_finalize_problem(sm, call.world_size, call.tokens)
 
     def prepare_moe_combine(self, call: Call) -> str | None:
@@ -385,12 +372,12 @@ class FlashInferBackend(Backend):
         have = state.finalize
         if have is not None and call.tokens * call.hidden <= have.capacity_elems:
             return None
-        if _capturing():
+        if runtime.capturing():
             return ("no MoE finalize workspaces yet and workspaces are never created during CUDA-graph "
                     "capture: run the model once eagerly first")
         # The table's cap, within what the ordinary workspace holds (a forced cap, as the GPU check
         # sets, is not a size to allocate), and never below this call.
-        sm = device_facts(_device_index(call.device)).sm[0]
+        sm = device_facts(runtime.device_index(call.device)).sm[0]
         cap = dispatch.MOE_FINALIZE_MAX_TOKENS.get((sm, call.world_size), 0)
         max_tokens = max(call.tokens, min(cap, state.capacity_elems // call.hidden))
         pair = []
@@ -453,7 +440,7 @@ class FlashInferBackend(Backend):
     # ------------------------------------------------------------- quantized all-reduce
 
     def quantized_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
-        facts = device_facts(_device_index(call.device))
+        facts = device_facts(runtime.device_index(call.device))
         return dispatch.quantized_min_bytes(facts.sm[0], facts.name, call.world_size, call.hidden, call.dtype,
                                             level)
 
@@ -465,7 +452,7 @@ class FlashInferBackend(Backend):
             return f"FlashInfer's quantized all-reduce needs a power-of-two world size <= 16, not {call.world_size}"
         if call.hidden % 8:
             return f"hidden size {call.hidden} is not a multiple of 8"
-        if device_facts(_device_index(call.device)).sm[0] < 9:
+        if device_facts(runtime.device_index(call.device)).sm[0] < 9:
             return "FlashInfer's quantized all-reduce needs SM90+ (FP8)"
         if call.nbytes is not None and call.nbytes > dispatch.QUANTIZED_MAX_BYTES:
             return f"{call.nbytes} bytes per rank > {dispatch.QUANTIZED_MAX_BYTES} (largest size measured)"
@@ -475,7 +462,7 @@ class FlashInferBackend(Backend):
         state = self._groups.current(call.group_name)
         if state.quantized_failed or state.quantized_ready:
             return state.quantized_failed
-        if _capturing():
+        if runtime.capturing():
             return ("the quantized all-reduce's buffer is never created during CUDA-graph capture: run "
                     "the model once eagerly first")
         return outside_graph_pools(call.device, lambda: self._create_quantized_buffer(state, call))
@@ -485,14 +472,14 @@ class FlashInferBackend(Backend):
         call and again whenever a larger message comes; one warm-up call at the largest size this
         backend quantizes makes it once, here, outside CUDA-graph pools, and builds the kernel."""
         group = dist.distributed_c10d._resolve_process_group(call.group_name)
-        comm_device = call.device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+        comm_dev = comm_device(group, call.device)
         started = time.perf_counter()
         problem = None
         try:
             module = importlib.import_module("flashinfer.comm.quantized_allreduce")
         except Exception as e:
             problem = f"flashinfer.comm.quantized_allreduce unavailable: {type(e).__name__}: {e}"
-        if not all_ranks_agree(problem is None, group, comm_device):
+        if not all_ranks_agree(problem is None, group, comm_dev):
             state.quantized_failed = problem or "the quantized all-reduce is unavailable on another rank"
             return state.quantized_failed
         try:
@@ -501,7 +488,7 @@ class FlashInferBackend(Backend):
             del warm
         except Exception as e:  # e.g. no symmetric memory (no NVSwitch / P2P): every rank learns below
             problem = f"FlashInfer quantized all-reduce set-up failed: {type(e).__name__}: {e}"
-        if not all_ranks_agree(problem is None, group, comm_device):
+        if not all_ranks_agree(problem is None, group, comm_dev):
             state.quantized_failed = problem or "FlashInfer quantized all-reduce set-up failed on another rank"
             return state.quantized_failed
         state.quantized_ready = True
@@ -558,9 +545,7 @@ def _fp4_scale_factor(global_scale: torch.Tensor | None, device: torch.device) -
 
 def _group_quant(normed: torch.Tensor) -> dict[str, torch.Tensor]:
     """arfusion.quant.fp8_group as one Inductor kernel after FlashInfer's norm."""
-    from ..ops import compiled  # the op module imports the backends: import at call time
-
-    return compiled(quant.fp8_group)(normed)
+    return runtime.compiled(quant.fp8_group)(normed)
 
 
 # ----------------------------------------------------------------- environment checks

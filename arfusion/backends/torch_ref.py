@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import quantized_comm, reference
-from ..config import QUANT_FORMS, QUANTIZED_LEVELS
+from ..core import QUANT_FORMS, QUANTIZED_LEVELS
 from .base import Backend, Capabilities
 
 

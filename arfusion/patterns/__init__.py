@@ -8,7 +8,7 @@ all-reduce's input, when there is one). Before that, `collectives.merge` turns s
 all-reduces of sums (MoE blocks). docs/patterns.md explains the design and the acceptance rule.
 """
 
-from .classify import SCALED_REASON, Site, clear_memo, find_site
+from .classify import Match, NoSite, clear_memo, find_site
 from .collectives import merge as merge_collectives
 from .collectives import scaled_all_reduce
 from .moe_combine import Combine, feeds_combine
@@ -16,5 +16,5 @@ from .moe_combine import find as find_moe_combine
 from .region import all_reduce_sum_start, grow
 from .rewrite import op_site, rewrite, scaled_sites
 
-__all__ = ["SCALED_REASON", "Site", "find_site", "clear_memo", "all_reduce_sum_start", "grow", "op_site", "rewrite",
+__all__ = ["NoSite", "Match", "find_site", "clear_memo", "all_reduce_sum_start", "grow", "op_site", "rewrite",
            "scaled_sites", "merge_collectives", "scaled_all_reduce", "Combine", "find_moe_combine", "feeds_combine"]

@@ -45,6 +45,20 @@ STREAMS_REASON = ("the all-reduced value is multiplied into {k} streams before a
 
 
 @dataclass(frozen=True)
+class NoSite:
+    """Why a region is not a site. `scaled`: the all-reduced value is multiplied or divided before
+    the norm, and that is what kept it from being one (the pass then tries the product as the site)."""
+
+    reason: str
+    scaled: bool = False
+    matched: bool = True  # False: it computes nothing like a site (other candidates' reasons say more)
+
+
+SCALED = NoSite(SCALED_REASON, scaled=True)
+NOT_RMS = NoSite("its computation does not match all_reduce [+ residual] -> RMSNorm numerically", matched=False)
+
+
+@dataclass(frozen=True)
 class QuantPlan:
     form: str
     scale_input: int | None  # local id of the static/global scale root
@@ -59,6 +73,8 @@ class Plan:
     """A site in local ids (see `Encoding`); `reason` set when there is none."""
 
     reason: str = ""
+    scaled: bool = False  # see NoSite
+    matched: bool = True  # see NoSite
     norm_out: int = -1
     nodes: frozenset[int] = frozenset()  # the norm site's nodes (start included)
     exits: tuple[tuple[int, str], ...] = ()
@@ -71,8 +87,8 @@ class Plan:
 
 
 @dataclass
-class Site:
-    """A site in graph nodes, ready to rewrite."""
+class Match:
+    """A site found in the graph (its nodes and inputs), ready to rewrite."""
 
     region: Region
     norm_out: torch.fx.Node
@@ -89,7 +105,7 @@ class Site:
     emit_norm: bool = True
     quant_nodes: set[torch.fx.Node] = field(default_factory=set)
 
-    def without_quant(self) -> "Site":
+    def without_quant(self) -> "Match":
         """The same site with the quant tail left outside (the norm output read by it)."""
         exits = [(n, r) for n, r in self.exits if r in ("residual", "norm")]
         if not any(r == "norm" for _, r in exits):
@@ -327,8 +343,8 @@ class Classifier:
             plan = self._norm_site(i)
             if not plan.reason:
                 return replace(plan, quant=self._quant(plan) if self.quant_forms else None)
-            reasons.append(plan.reason)
-        return Plan(reason=_most_telling(reasons))
+            reasons.append(plan)
+        return _most_telling(reasons)
 
     def _broadcast_streams(self) -> int:
         """k > 1 where a product in the region spreads the all-reduced value over k copies of
@@ -378,8 +394,8 @@ class Classifier:
             return Plan(reason="eps is a device tensor (reading it would synchronise)")
         try:
             found = self._norm_numerics(site, out, residuals, weight, eps_input)
-            if isinstance(found, str):
-                return Plan(reason=found)
+            if isinstance(found, NoSite):
+                return Plan(reason=found.reason, scaled=found.scaled, matched=found.matched)
             norm, eps, probe, env = found
             if weight is not None and value(enc.nodes[weight]).dtype != self.dtype:
                 return Plan(reason=f"the norm weight is {value(enc.nodes[weight]).dtype}, the activations "
@@ -427,11 +443,11 @@ class Classifier:
                    for e, y64 in zip(solved, exact_outputs)):
                 continue
             if eps_input is not None and any(abs(e - g) > 1e-6 * g for e, g in zip(solved, eps_values)):
-                return SCALED_REASON if self._scaled_start() else "a scalar input other than eps changes the norm"
+                return SCALED if self._scaled_start() else NoSite("a scalar input other than eps changes the norm")
             break
         else:
             if self._is_l2_norm(h64, w64, exact_outputs, kinds):
-                return L2_REASON
+                return NoSite(L2_REASON)
             return self._not_rms_reason(site)
         # With the real dtypes: within the rounding of the fused kernels, which normalise the
         # rounded residual sum in fp32 and round once.
@@ -445,9 +461,9 @@ class Classifier:
         carried = order_slack * torch.as_tensor(factor, dtype=torch.float64).abs() / rms
         if not forms.within_ulps(y_real, kernel, self.dtype, forms.NORM_ULPS[self.dtype], extra=carried):
             if self._scaled_start():
-                return SCALED_REASON
-            return ("computes RMSNorm, but rounds differently from the fused kernels by more than "
-                    f"{forms.NORM_ULPS[self.dtype]} ulp (e.g. normalised in {self.dtype}, not fp32)")
+                return SCALED
+            return NoSite("computes RMSNorm, but rounds differently from the fused kernels by more than "
+                          f"{forms.NORM_ULPS[self.dtype]} ulp (e.g. normalised in {self.dtype}, not fp32)")
         w_real = self._given(probe, weight, False)
 
         def mismatches(norm: str) -> int:
@@ -475,12 +491,12 @@ class Classifier:
         targets = {self.enc.nodes[i].target for i in site}
         return bool(targets & {aten.var_mean.correction, aten.var.correction, aten.native_layer_norm.default})
 
-    def _not_rms_reason(self, site) -> str:
+    def _not_rms_reason(self, site) -> NoSite:
         if self._subtracts_mean(site) or aten.sub.Tensor in {self.enc.nodes[i].target for i in site}:
-            return LAYERNORM_REASON
+            return NoSite(LAYERNORM_REASON)
         if self._scaled_start():
-            return SCALED_REASON
-        return "its computation does not match all_reduce [+ residual] -> RMSNorm numerically"
+            return SCALED
+        return NOT_RMS
 
     def _scaled_start(self) -> bool:
         start = self.enc.nodes[0]
@@ -595,11 +611,9 @@ def _same_values(got: torch.Tensor, want: torch.Tensor, role: str, form: str) ->
     return bool(torch.isfinite(g).all() and ((g - w).abs() <= forms.SCALE_RTOL * w.abs()).all())
 
 
-def _most_telling(reasons: list[str]) -> str:
-    """The reason of the candidate that came closest (an RMSNorm with a problem beats 'no match')."""
-    generic = "its computation does not match"
-    specific = [r for r in reasons if not r.startswith(generic)]
-    return specific[0] if specific else reasons[0]
+def _most_telling(plans: list[Plan]) -> Plan:
+    """The failed plan of the candidate that came closest (an RMSNorm with a problem beats 'no match')."""
+    return next((p for p in plans if p.matched), plans[0])
 
 
 # ------------------------------------------------------------------ entry point
@@ -607,7 +621,7 @@ def _most_telling(reasons: list[str]) -> str:
 _memo: "OrderedDict[tuple, Plan]" = OrderedDict()
 
 
-def find_site(region: Region, quant_forms: tuple[str, ...]) -> Site | str:
+def find_site(region: Region, quant_forms: tuple[str, ...]) -> Match | NoSite:
     """The site `region` computes, or why it is none."""
     enc = Encoding(region)
     key = (enc.key, quant_forms, tuple(region.hints))  # hints name nodes outside the region
@@ -621,13 +635,13 @@ def find_site(region: Region, quant_forms: tuple[str, ...]) -> Site | str:
     else:
         _memo.move_to_end(key)
     if plan.reason:
-        return plan.reason
+        return NoSite(plan.reason, plan.scaled, plan.matched)
     return _materialize(plan, enc)
 
 
-def _materialize(plan: Plan, enc: Encoding) -> Site:
+def _materialize(plan: Plan, enc: Encoding) -> Match:
     node = enc.nodes.__getitem__
-    site = Site(region=enc.region, norm_out=node(plan.norm_out), nodes={node(i) for i in plan.nodes},
+    site = Match(region=enc.region, norm_out=node(plan.norm_out), nodes={node(i) for i in plan.nodes},
                 exits=[(node(i), r) for i, r in plan.exits],
                 residuals=[node(r) for r in plan.residuals],
                 weight=None if plan.weight is None else node(plan.weight), eps=plan.eps,

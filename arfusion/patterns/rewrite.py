@@ -16,8 +16,8 @@ from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..backends.base import Site as OpSite
-from .classify import Site
+from ..core import Site
+from .classify import Match
 from .moe_combine import Combine
 from .region import same_shape, value
 
@@ -38,11 +38,12 @@ class Builder:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
         fake_args = torch.fx.map_arg(args, lambda n: n.meta["val"])
+        fake_kwargs = torch.fx.map_arg(kwargs, lambda n: n.meta["val"])
         if target is operator.getitem:
             node.meta["val"] = fake_args[0][fake_args[1]]
         else:
             with self.fake_mode:
-                node.meta["val"] = target(*fake_args, **kwargs)
+                node.meta["val"] = target(*fake_args, **fake_kwargs)
         self.added.append(node)
         return node
 
@@ -78,36 +79,27 @@ class Builder:
         return sizes
 
 
-def _arg_index(op, name: str) -> int:
-    return [a.name for a in op._schema.arguments].index(name)
-
-
-_SCALE_ARGS = {FUSED_OP: (_arg_index(FUSED_OP, "input_scale"), _arg_index(FUSED_OP, "input_scale_tensor")),
-               MOE_OP: (_arg_index(MOE_OP, "input_scale"),)}
-
-
 def scaled_sites(graph: torch.fx.Graph) -> int:
     """Fused ops in `graph` that take an input scale (f * AR(x) sites)."""
     def scaled(node):
-        number, *tensor = _SCALE_ARGS[node.target]
-        given = node.args[number] if len(node.args) > number else 1.0
-        return given != 1.0 or any(len(node.args) > i and node.args[i] is not None for i in tensor)
+        return node.kwargs.get("input_scale", 1.0) != 1.0 or node.kwargs.get("input_scale_tensor") is not None
 
-    return sum(1 for n in graph.nodes if n.target in _SCALE_ARGS and scaled(n))
+    return sum(1 for n in graph.nodes if n.target in (FUSED_OP, MOE_OP) and scaled(n))
 
 
-def _scale_args(region) -> list:
-    """The plain op's trailing (input_scale[, input_scale_tensor]) for `region`; none if unscaled."""
+def _scale_args(region) -> dict:
+    """The plain op's input_scale / input_scale_tensor for `region`; none if unscaled."""
     if isinstance(region.input_scale, torch.fx.Node):
-        return [1.0, region.input_scale]
-    return [region.input_scale] if region.input_scale != 1.0 else []
+        return {"input_scale_tensor": region.input_scale}
+    return {"input_scale": region.input_scale} if region.input_scale != 1.0 else {}
 
 
-def op_site(site: Site) -> OpSite:
-    return OpSite(residual=bool(site.residuals), norm=site.norm, quant=site.quant, emit_norm=site.emit_norm)
+def op_site(site: Match) -> Site:
+    """What the matched site computes, as the op and the backends see it."""
+    return Site(residual=bool(site.residuals), norm=site.norm, quant=site.quant, emit_norm=site.emit_norm)
 
 
-def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, site_key: str,
+def rewrite(graph: torch.fx.Graph, site: Match, backend: str, max_bytes: int, site_key: str,
             combine: Combine | None = None, quantized: tuple[str, int] = ("", -1)) -> bool:
     """Replace `site` by the fused op; False (graph unchanged) if a shape cannot be expressed.
     With `combine` (the MoE top-k combine producing the all-reduce input, `moe_combine.find`)
@@ -132,21 +124,22 @@ def rewrite(graph: torch.fx.Graph, site: Site, backend: str, max_bytes: int, sit
     scale = site.quant_scale
     if scale is not None and site.scale_inverted:
         scale = build.call(aten.reciprocal.default, scale)
-    literal_eps = site.eps_input is None
-    tail = (residual, site.weight, site.eps, None if literal_eps else site.eps_input, region.group_name,
-            site.norm, site.quant, scale, site.emit_norm, backend, max_bytes, site_key, *quantized)
+    tail = dict(residual=residual, weight=site.weight, eps=site.eps, eps_tensor=site.eps_input,
+                group_name=region.group_name, norm=site.norm, quant=site.quant, quant_scale=scale,
+                emit_norm=site.emit_norm, backend=backend, max_bytes=max_bytes, site_key=site_key,
+                quantized=quantized[0], quantized_min_bytes=quantized[1])
     if combine is None:
         # f * AR(x) (region.input_scale): the op gets x and f, so the graph's product goes too.
-        fused = build.call(FUSED_OP, x, *tail, *_scale_args(region))
+        fused = build.call(FUSED_OP, x=x, **tail, **_scale_args(region))
     else:
         shared = None if combine.shared is None else build.reshape(combine.shared, combine.nodes[-1],
                                                                    [*sources, combine.shared])
         if combine.shared is not None and shared is None:
             build.undo()
             return False
-        scales = (combine.routed_scale, region.input_scale)
-        fused = build.call(MOE_OP, combine.rows, combine.scale, combine.index, combine.top_k,
-                           combine.scale_first, *tail, shared, *(scales if scales != (1.0, 1.0) else ()))
+        fused = build.call(MOE_OP, rows=combine.rows, scale=combine.scale, index=combine.index, top_k=combine.top_k,
+                           scale_first=combine.scale_first, **tail, shared=shared, routed_scale=combine.routed_scale,
+                           input_scale=region.input_scale)
     outputs = op_site(site).outputs()
     produced = {name: build.call(operator.getitem, fused, i) for i, name in enumerate(outputs)}
     if "scale" in produced:

@@ -26,7 +26,7 @@ from arfusion import reference
 from arfusion.backends import flashinfer as fi_module
 from arfusion.backends import flashinfer_dispatch as dispatch
 from arfusion.backends import get_backend
-from arfusion.backends.base import Call, Site
+from arfusion.core import Call, Site
 
 EPS = 1e-6
 SITES = [Site(True, "rms"), Site(False, "rms"), Site(True, "gemma_rms"), Site(False, "gemma_rms")]

@@ -56,7 +56,7 @@ import arfusion  # noqa: F401  (registers the ops)
 from arfusion import reference
 from arfusion.backends import flashinfer_dispatch as dispatch
 from arfusion.backends import get_backend
-from arfusion.backends.base import Site
+from arfusion.core import Site
 
 import shared_gpu  # tests/gpu/shared_gpu.py (the script's own directory is on sys.path)
 

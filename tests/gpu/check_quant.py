@@ -24,7 +24,7 @@ import check_flashinfer as cf  # noqa: E402
 import arfusion  # noqa: E402
 from arfusion import quant, reference  # noqa: E402
 from arfusion.backends import get_backend  # noqa: E402
-from arfusion.backends.base import Site  # noqa: E402
+from arfusion.core import Site  # noqa: E402
 
 FORMS = ("fp8_static", "fp8_dynamic", "fp8_group")
 SITES = [Site(r, "rms", q, e) for q in FORMS for r in (True, False) for e in (False, True)]

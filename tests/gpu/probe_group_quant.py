@@ -13,12 +13,12 @@ import os
 
 import torch
 
-from arfusion import ops, quant, tuning
+from arfusion import quant, runtime, tuning
 
 
 def main():
     from arfusion import reference
-    from arfusion.backends.base import Site
+    from arfusion.core import Site
 
     torch.cuda.set_device(0)
     site = Site(residual=True, norm="rms", quant="fp8_dynamic", emit_norm=False)
@@ -29,10 +29,10 @@ def main():
 
     variants = {
         "group eager": quant.fp8_group,
-        "group ops.compiled (token dims dynamic)": ops.compiled(quant.fp8_group),
+        "group ops.compiled (token dims dynamic)": runtime.compiled(quant.fp8_group),
         "group dynamic=True": torch.compile(quant.fp8_group, dynamic=True),
         "group static": torch.compile(quant.fp8_group, dynamic=False),
-        "fallback ops.compiled (token dims dynamic)": norm_quant(ops.compiled(reference.add_rms_norm)),
+        "fallback ops.compiled (token dims dynamic)": norm_quant(runtime.compiled(reference.add_rms_norm)),
         "fallback dynamic=True": norm_quant(torch.compile(reference.add_rms_norm, dynamic=True)),
         "fallback static": norm_quant(torch.compile(reference.add_rms_norm, dynamic=False)),
     }

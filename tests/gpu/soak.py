@@ -257,7 +257,7 @@ def main() -> int:
         cap_tokens = int(args.cap_mb * 2**20) // row_bytes
     elif backend == "flashinfer":
         from arfusion.backends import get_backend
-        from arfusion.backends.base import Call, Site
+        from arfusion.core import Call, Site
         fi = get_backend("flashinfer")
         call = Call(site=Site(residual=True, norm="rms"), tokens=1, hidden=args.hidden, dtype=args.dtype,
                     weight_dtype=args.dtype, world_size=world, device=device, group_name=dist.group.WORLD.group_name)

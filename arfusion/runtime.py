@@ -1,0 +1,204 @@
+"""Run-time helpers shared by the ops and the backends: process groups, CUDA-graph capture,
+compiled fallbacks and log-once messages."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import threading
+import types
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+log = logging.getLogger("arfusion")
+_logged: set[str] = set()
+
+
+def log_once(message: str) -> None:
+    """An INFO line, once per process (run-time decisions repeat on every call)."""
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+# ----------------------------------------------------------------- CUDA graphs
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph."""
+    return _has_cuda() and torch.cuda.is_current_stream_capturing()
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def outside_graph_pools(device: torch.device, create: Callable[[], T]) -> T:
+    """create() with its allocations in the ordinary pool: for what outlives a call (workspaces,
+    a cached zero residual).
+
+    During the eager warm-up of torch.compile(mode="reduce-overhead"), cudagraph trees send every
+    allocation made by the current *thread* (any stream) to the graph's private pool, and later
+    refuse to run while tensors they do not track live there ("tensor(s) in the cudagraph pool
+    not tracked as outputs"; seen on 2xH200 and 4xH200). So create() runs on a helper thread,
+    with the caller blocked until it is done.
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return create()
+    caller_stream = torch.cuda.current_stream(device)
+
+    def on_device() -> T:
+        torch.cuda.set_device(device)  # a new thread starts on device 0
+        side = torch.cuda.Stream(device)
+        side.wait_stream(caller_stream)
+        with torch.cuda.stream(side):
+            made = create()
+        side.synchronize()  # once per workspace: the caller may use it on any stream
+        return made
+
+    return on_helper_thread(on_device)
+
+
+def on_helper_thread(fn: Callable[[], T]) -> T:
+    """fn() on a fresh thread while this one waits; its result, or its exception re-raised here."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # handed to the caller
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, name="arfusion-outside-graph-pools")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _mark_token_dims(args) -> None:
+    # Token counts vary, hidden sizes do not: only the leading dims are symbolic. A fully dynamic
+    # compile (dynamic=True, hidden symbolic too) made the per-group quant kernel 2-5x slower on
+    # H200 (10.5 vs 54.5 us at 2048 x 4096; docs/benchmarks.md).
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim() >= 2:
+            for d in range(a.dim() - 1):
+                torch._dynamo.maybe_mark_dynamic(a, d)
+
+
+@functools.cache
+def compiled(fn):
+    """`fn` under torch.compile, token dims dynamic, compiled on first use and never during
+    CUDA-graph capture: there Inductor would compile and benchmark kernels outside the graph, so
+    a capture runs code compiled earlier when its guards pass and `fn` eagerly otherwise."""
+    # A private copy of the code object: dynamo's recompile limit (8) counts entries per code
+    # object, and each site (and T == 1, dtype) is an entry of its own.
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    fast = torch.compile(own)
+    broken: list[str] = []
+
+    def run(*args, **kwargs):
+        if broken:
+            return fn(*args, **kwargs)
+        try:
+            _mark_token_dims(args)
+            if capturing():
+                with torch.compiler.set_stance("eager_on_recompile"):
+                    return fast(*args, **kwargs)
+            return fast(*args, **kwargs)
+        except Exception as e:  # e.g. no working Triton: stay correct, just slower
+            broken.append(f"{type(e).__name__}: {e}")
+            log_once(f"arfusion: compiling {fn.__name__} failed, running it eagerly: {broken[0][:300]}")
+            return fn(*args, **kwargs)
+
+    return run
+
+
+# ----------------------------------------------------------------- process groups
+
+
+def hash63(text: str) -> int:
+    """A stable integer that fits an int64 tensor, to compare strings across ranks."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def all_ranks_agree(ok: bool, group, device: torch.device = torch.device("cpu")) -> bool:
+    """True on every rank if `ok` is true on every rank of `group` (a collective; `device` is
+    where the group's backend communicates: the GPU for NCCL, the CPU for gloo)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def resolve_group(group_name: str):
+    """The live ProcessGroup of that name, or None (no such group: unit tests' made-up names)."""
+    try:
+        return dist.distributed_c10d._resolve_process_group(group_name)
+    except RuntimeError:
+        return None
+
+
+def group_size(group_name: str) -> int:
+    return dist.distributed_c10d._resolve_process_group(group_name).size()
+
+
+def comm_device(group, device: torch.device) -> torch.device:
+    """Where `group` communicates: the GPU for NCCL, the CPU otherwise (gloo)."""
+    return device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+
+
+def group_is_live(group) -> bool:
+    """False once destroy_process_group has removed `group` (its object may still be held)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+class PerGroup(dict):
+    """Backend state per process group, looked up by the group's name.
+
+    Names are handed out again: destroy_process_group + init_process_group make a new "0" with
+    other peers, and a graph compiled before resolves the name when it runs. State made for the
+    old group (buffers opened from the old peers' IPC handles) would then reduce with the old
+    peers, silently. So each entry remembers the ProcessGroup it was made for, and a name that
+    now resolves to another one gets fresh state; the replaced entry moves to `stale` (graphs
+    captured earlier may still point into its buffers) and is freed with the rest at close().
+    """
+
+    def __init__(self, make: Callable[[], Any], resolve: Callable[[str], Any] = resolve_group):
+        super().__init__()
+        self.make, self.resolve = make, resolve
+        self.stale: list = []
+        self._made_for: dict[str, Any] = {}
+
+    def current(self, group_name: str):
+        """The state of the group the name resolves to now; made on first use."""
+        group = self.resolve(group_name)
+        if group_name in self and self._made_for[group_name] != group:  # ProcessGroup: by identity
+            self.stale.append(self.pop(group_name))
+        if group_name not in self:
+            self[group_name] = self.make()
+            self._made_for[group_name] = group
+        return self[group_name]
+
+    def everything(self) -> list:
+        """Current and stale states: what close() frees."""
+        return [*self.values(), *self.stale]
+
+    def clear(self) -> None:
+        super().clear()
+        self.stale.clear()
+        self._made_for.clear()
