@@ -13,7 +13,7 @@ import torch.distributed as dist
 from . import reference, stats
 from .backends import resolve
 from .core import PLAIN, Call, Site, num_tokens
-from .runtime import capturing, compiled, group_size, log_once, outside_graph_pools
+from .runtime import capturing, compiled, group_size, log_once, outside_graph_pools, scalar_value
 
 
 def compiles_fallback(device: torch.device) -> bool:
@@ -98,6 +98,13 @@ def dense_outputs(outs: list[torch.Tensor], lead) -> list[torch.Tensor]:
     return [o.reshape(*lead, o.shape[-1]).contiguous() if o.dim() else o for o in outs]
 
 
+def eps_value(eps: torch.Tensor) -> float | torch.Tensor:
+    """eps held as a 0-d tensor, as a float where it can be read without a synchronisation inside a
+    CUDA-graph capture (`runtime.scalar_value`); else the tensor, and the call runs unfused."""
+    value = scalar_value(eps)
+    return eps if value is None else value
+
+
 def site_of(residual, norm, quant, emit_norm) -> Site:
     return Site(residual=residual is not None, norm=norm, quant=quant, emit_norm=emit_norm)
 
@@ -111,6 +118,8 @@ def run_fused(x, residual, weight, eps, group_name, site: Site, quant_scale, bac
     scaled = isinstance(input_scale, torch.Tensor) or input_scale != 1.0
     call = Call.of_tensors(site, x, weight, group_size(group_name), group_name, input_scaled=scaled)
     chosen, reason = resolve(backend, x.device)
+    if isinstance(eps, torch.Tensor):
+        chosen, reason = None, "eps is a GPU tensor not read before this CUDA-graph capture"
     outs = None
     if chosen is not None and quantized:
         outs = quantized_or_none(chosen, call, _scaled(x, input_scale), residual, weight, eps, quant_scale,
@@ -147,6 +156,8 @@ def run_moe_combine(rows, scale, index, top_k: int, scale_first: bool, residual,
     hidden = rows.shape[-1]
     tokens = index.numel() // top_k
     chosen, reason = resolve(backend, rows.device)
+    if isinstance(eps, torch.Tensor):
+        chosen, reason = None, "eps is a GPU tensor not read before this CUDA-graph capture"
     if chosen is not None:
         kernel_weight = weight if weight is not None else unit_weight(rows.device, rows.dtype, hidden)
         call = Call(site=site, tokens=tokens, hidden=hidden, dtype=rows.dtype, weight_dtype=kernel_weight.dtype,

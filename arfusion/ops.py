@@ -93,8 +93,8 @@ def fused_allreduce_rmsnorm(
     site = site_of(residual, norm, quant, emit_norm)
     if site_key:
         stats.record_site(site_key, site.name)
-    if eps_tensor is not None:
-        eps = float(eps_tensor)
+    if eps_tensor is not None:  # a graph input (dynamic=True) or a buffer; a tensor still during a first capture
+        eps = execution.eps_value(eps_tensor)
     return execution.run_fused(x, residual, weight, eps, group_name, site, quant_scale, backend, max_bytes,
                                quantized, quantized_min_bytes, input_scale)
 
@@ -176,8 +176,8 @@ def moe_combine_allreduce_rmsnorm(
     if site_key:
         stats.record_site(site_key, site.name)
         stats.record_moe_combine(site_key)
-    if eps_tensor is not None:
-        eps = float(eps_tensor)
+    if eps_tensor is not None:  # a graph input (dynamic=True) or a buffer; a tensor still during a first capture
+        eps = execution.eps_value(eps_tensor)
     return execution.run_moe_combine(rows, scale, index, top_k, scale_first, residual, weight, eps, group_name,
                                      site, quant_scale, backend, max_bytes, quantized, quantized_min_bytes,
                                      shared, routed_scale, input_scale)

@@ -8,6 +8,7 @@ import hashlib
 import logging
 import threading
 import types
+import weakref
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -123,6 +124,26 @@ def compiled(fn):
             return fn(*args, **kwargs)
 
     return run
+
+
+_scalars: dict[int, tuple[Any, int, float]] = {}  # id -> (weak ref, version, value)
+
+
+def scalar_value(t: torch.Tensor) -> float | None:
+    """The value of a 0-d tensor (an eps held as a buffer) as a float, read once per tensor and
+    version: a GPU buffer synchronises the first time it is read and again only after it is written
+    in place (which bumps its version). None during CUDA-graph capture for one never read before:
+    a read would synchronise inside the capture, so the caller computes with the tensor itself."""
+    if t.device.type == "cpu":
+        return float(t)
+    entry = _scalars.get(id(t))
+    if entry is not None and entry[0]() is t and entry[1] == t._version:
+        return entry[2]
+    if capturing():
+        return None
+    value = float(t)
+    _scalars[id(t)] = (weakref.ref(t, lambda _, key=id(t): _scalars.pop(key, None)), t._version, value)
+    return value
 
 
 # ----------------------------------------------------------------- process groups

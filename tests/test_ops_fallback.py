@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import arfusion
 from arfusion import execution, reference, runtime
 from arfusion.core import Site
 
@@ -128,3 +129,39 @@ def test_input_scale_is_applied_on_every_path(world_of_one, backend):
     want = reference.add_rms_norm(x, res, w, 1e-6, SITE, None, 0.22)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert arfusion.stats()["dispatch"] == ({"torch": 1} if backend == "torch" else {"fallback": 1})
+
+
+class _GpuScalar:
+    """Stands in for a 0-d GPU tensor: counts the reads (each one a synchronisation on a GPU)."""
+
+    device = torch.device("cuda")
+
+    def __init__(self, value):
+        self.value, self._version, self.reads = value, 0, 0
+
+    def __float__(self):
+        self.reads += 1
+        return self.value
+
+
+def test_an_eps_buffer_is_read_once_per_version_and_never_inside_a_capture(monkeypatch):
+    eps = _GpuScalar(1e-6)
+    assert runtime.scalar_value(eps) == 1e-6 and runtime.scalar_value(eps) == 1e-6
+    assert eps.reads == 1  # cached: no synchronisation per call
+    eps._version += 1  # written in place
+    assert runtime.scalar_value(eps) == 1e-6 and eps.reads == 2
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
+    assert runtime.scalar_value(eps) == 1e-6 and eps.reads == 2  # read before: the capture uses the value
+    fresh = _GpuScalar(1e-5)
+    assert runtime.scalar_value(fresh) is None and fresh.reads == 0  # never read: no sync inside a capture
+    cpu = torch.tensor(3e-4, dtype=torch.float64)
+    assert runtime.scalar_value(cpu) == 3e-4
+
+
+def test_an_unread_gpu_eps_during_capture_runs_unfused_with_the_tensor(world_of_one):
+    x, res, w = inputs()
+    eps = torch.tensor(1e-6)
+    got = execution.run_fused(x, res, w, eps, world_of_one, SITE, None, "torch", -1)  # eps as the tensor
+    want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
+    assert all(torch.allclose(g.float(), r.float(), atol=1e-2) for g, r in zip(got, want))
+    assert arfusion.stats()["dispatch"] == {"fallback": 1}

@@ -390,8 +390,6 @@ class Classifier:
         eps_input = (by_role.get("scalar") or [None])[0]
         if any(value(enc.nodes[r]).dtype != self.dtype for r in residuals):
             return Plan(reason="a term added to the all-reduced value has another dtype")
-        if eps_input is not None and value(enc.nodes[eps_input]).device.type != "cpu":
-            return Plan(reason="eps is a device tensor (reading it would synchronise)")
         try:
             found = self._norm_numerics(site, out, residuals, weight, eps_input)
             if isinstance(found, NoSite):
