@@ -76,6 +76,12 @@ class PassConfig:
         may name a level. Check what it costs on your model: benchmarks/eval_accuracy.py.
     quantized_allreduce_min_mb: per world size, the per-rank MiB (inclusive) from which the
         quantized all-reduce is used, overriding the backend's crossover (0: every site).
+    fast_all_reduce: every sum all-reduce that is not fused into a site (LayerNorm models,
+        hyper-connections, sites a backend declines, graph-boundary all-reduces) runs the
+        backend's fast plain all-reduce (`arfusion::all_reduce`: FlashInfer's one-shot kernel,
+        aiter's custom all-reduce) where its table says it beats NCCL, NCCL elsewhere.
+    plain_max_size_mb: per world size, the largest per-rank input (MiB, inclusive) that the fast
+        plain all-reduce takes, overriding the backend's table (0: never).
     """
 
     enable_allreduce_fusion: bool = False
@@ -87,6 +93,8 @@ class PassConfig:
     fuse_moe_combine: bool = True
     quantized_allreduce: str | None = None
     quantized_allreduce_min_mb: dict[int, float] = field(default_factory=dict)
+    fast_all_reduce: bool = True
+    plain_max_size_mb: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_CHOICES:
@@ -94,6 +102,7 @@ class PassConfig:
         self.max_size_mb = _per_world_mb("max_size_mb", self.max_size_mb)
         self.quantized_allreduce_min_mb = _per_world_mb("quantized_allreduce_min_mb",
                                                         self.quantized_allreduce_min_mb)
+        self.plain_max_size_mb = _per_world_mb("plain_max_size_mb", self.plain_max_size_mb)
         level = self.quantized_allreduce
         if level is None and os.environ.get(QUANTIZED_ENV, "").strip():
             level = os.environ[QUANTIZED_ENV]
@@ -130,6 +139,11 @@ class PassConfig:
     def max_bytes(self, world_size: int) -> int | None:
         """The user's cap for this world size in bytes, or None to use the backend's table."""
         mb = self.max_size_mb.get(world_size)
+        return None if mb is None else int(mb * 1024 * 1024)
+
+    def plain_max_bytes(self, world_size: int) -> int | None:
+        """The user's cap for the fast plain all-reduce in bytes, or None to use the backend's table."""
+        mb = self.plain_max_size_mb.get(world_size)
         return None if mb is None else int(mb * 1024 * 1024)
 
     def quantized_min_bytes(self, world_size: int) -> int | None:

@@ -28,10 +28,10 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from . import backends, patterns, stats
 from . import ops  # noqa: F401  (registers torch.ops.arfusion.*)
 from .config import PassConfig, env_disabled, env_strict
-from .core import Call
+from .core import PLAIN, Call
 from .execution import current_stream_pays
 from .graph_utils import (ALL_REDUCE, REDUCE_SCATTER, collective_group, dedupe_pure_nodes, has_fp8_casts,
-                          move_all_reduce_to_current_stream, restore, snapshot)
+                          move_all_reduce_to_current_stream, put_on_fast_path, restore, snapshot)
 from .patterns.region import hinted_shape
 from .runtime import group_size
 from .version import __version__
@@ -133,26 +133,38 @@ class ArFusionPass(CustomGraphPass):
             and not (n.target is ALL_REDUCE and patterns.feeds_combine(n)))
         graph_key = self._graph_key = uuid.uuid4().hex[:12]  # names this graph's sites in stats, cached or not
         fused: Counter[str] = Counter()
+        fast: Counter[str] = Counter()
         moved = 0
         for index, all_reduce in enumerate(all_reduces):
-            outcome = self._fuse(graph, all_reduce, f"{graph_key}:{index}")
+            key = f"{graph_key}:{index}"
+            outcome = self._fuse(graph, all_reduce, key)
             if outcome.kind is Kind.FUSED:
                 fused[outcome.detail] += 1
                 stats.record_decision(graph_key, all_reduce.name, "fused", outcome.detail)
                 continue
             why_not[outcome.detail] += 1
-            stats.record_decision(graph_key, all_reduce.name, "nccl", outcome.detail)
             log.info("arfusion: %s not fused: %s", all_reduce.name, outcome.detail)
+            backend, refused = self._plain_refuses(all_reduce)
+            if not refused and put_on_fast_path(graph, all_reduce, self.config.backend, self._plain_cap(all_reduce), key):
+                fast[backend] += 1
+                stats.record_fast_all_reduce(key)
+                stats.record_decision(graph_key, all_reduce.name, "fast_path", f"{backend}; not fused: {outcome.detail}")
+                continue
+            stats.record_decision(graph_key, all_reduce.name, "nccl", f"{outcome.detail}; not on the fast path: "
+                                  f"{refused or 'its result is not simply awaited'}")
+            if refused:
+                log.info("arfusion: %s not on the fast path either: %s", all_reduce.name, refused)
             if outcome.kind is Kind.DECLINED and self.config.unfused_on_current_stream \
                     and current_stream_pays(all_reduce.meta["val"].device):
                 moved += move_all_reduce_to_current_stream(graph, all_reduce)
         stable_topological_sort(graph)
         graph.eliminate_dead_code()
-        left = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
+        left = sum(1 for n in graph.nodes if n.target is ALL_REDUCE) + sum(fast.values())
         merged = {**merged, "scaled_all_reduces_fused": patterns.scaled_sites(graph)}
         stats.record_graph(unfused=left + moved, on_callers_stream=moved, why_not=why_not, collectives=merged)
-        log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s", sum(fused.values()),
-                 dict(fused) or "", left + moved, f"; {moved} of them run on the caller's stream" if moved else "")
+        log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s%s", sum(fused.values()),
+                 dict(fused) or "", left + moved, f", {sum(fast.values())} of them on the fast path {dict(fast)}"
+                 if fast else "", f"; {moved} of them run on the caller's stream" if moved else "")
 
     def _fuse(self, graph: torch.fx.Graph, all_reduce: torch.fx.Node, site_key: str) -> Outcome:
         """FUSED (detail: the pattern name), DECLINED when the backend refuses a site, or NONE
@@ -217,6 +229,28 @@ class ArFusionPass(CustomGraphPass):
                 return Outcome(Kind.FUSED, name)
             reason = "a symbolic shape between the all-reduce and the norm cannot be expressed"
         return Outcome(Kind.DECLINED, reason)
+
+    def _plain_cap(self, all_reduce: torch.fx.Node) -> int:
+        cap = self.config.plain_max_bytes(group_size(all_reduce.args[2]))
+        return -1 if cap is None else cap
+
+    def _plain_refuses(self, all_reduce: torch.fx.Node) -> tuple[str, str]:
+        """(backend name, "") where the fast plain all-reduce takes `all_reduce` at these (static)
+        shapes or decides at run time (symbolic), else (backend name or "", why not)."""
+        if not self.config.fast_all_reduce:
+            return "", "PassConfig(fast_all_reduce=False)"
+        val = all_reduce.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or not val.dtype.is_floating_point:
+            return "", "not a floating tensor with a last dim"
+        if patterns.all_reduce_sum_start(all_reduce) is None:
+            op = all_reduce.args[1]
+            return "", f"a {op} all-reduce" if op != "sum" else "its result is not simply awaited"
+        backend, reason = backends.resolve(self.config.backend, val.device)
+        if backend is None:
+            return "", reason
+        group_name = all_reduce.args[2]
+        call = Call.of_meta(PLAIN, val.shape, val.dtype, val.dtype, val.device, group_size(group_name), group_name)
+        return backend.name, backend.plain_why_not(call, self.config.plain_max_bytes(call.world_size)) or ""
 
     def _moe_combine(self, site: patterns.Match, all_reduce: torch.fx.Node) -> patterns.Combine | None:
         """The MoE top-k combine producing the site's all-reduce input, if there is one to take."""

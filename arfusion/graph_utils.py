@@ -87,6 +87,26 @@ def move_all_reduce_to_current_stream(graph: torch.fx.Graph, all_reduce: torch.f
     return True
 
 
+def put_on_fast_path(graph: torch.fx.Graph, all_reduce: torch.fx.Node, backend: str, max_bytes: int,
+                     site_key: str) -> bool:
+    """Replace `wait_tensor(all_reduce(x, "sum", group))` by arfusion's fast all-reduce op
+    (`arfusion::all_reduce`, functional: the backend's one-shot kernel writes a new tensor)."""
+    waits = list(all_reduce.users)
+    x, op, group_name = all_reduce.args[:3]
+    if op != "sum" or not waits or any(w.target is not WAIT for w in waits):
+        return False
+    with graph.inserting_before(all_reduce):
+        fast = graph.call_function(torch.ops.arfusion.all_reduce.default, (),
+                                   {"x": x, "group_name": group_name, "backend": backend, "max_bytes": max_bytes,
+                                    "site_key": site_key})
+    fast.meta["val"] = all_reduce.meta.get("val")
+    for w in waits:
+        w.replace_all_uses_with(fast)
+        graph.erase_node(w)
+    graph.erase_node(all_reduce)
+    return True
+
+
 def snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
     """A copy of the graph (node metadata copied one level deep), for `restore`."""
     copy = torch.fx.Graph()

@@ -162,3 +162,10 @@ def op_arguments(node) -> tuple:
     names = [a.name for a in node.target._schema.arguments]
     given = dict(zip(names, node.args), **node.kwargs)
     return tuple(given.get(a.name, a.default_value) for a in node.target._schema.arguments)
+
+
+def unfused_all_reduces(graph) -> int:
+    """All-reduces a graph still has outside the fused ops: Inductor's functional ones and those the
+    pass put on the fast path (arfusion::all_reduce)."""
+    left = (torch.ops._c10d_functional.all_reduce.default, torch.ops.arfusion.all_reduce.default)
+    return sum(1 for n in graph.nodes if n.target in left)

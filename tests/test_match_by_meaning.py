@@ -21,7 +21,7 @@ from torch import nn
 import arfusion
 from arfusion.fusion_pass import ALL_REDUCE, FUSED_OP, ArFusionPass, ChainedPass
 
-from .models import op_arguments
+from .models import op_arguments, unfused_all_reduces
 from .test_numerics_gloo import assert_close
 
 H = 256
@@ -120,7 +120,7 @@ def run(module, dtype=torch.bfloat16, lead=(2, 5), dynamic=False, quant_forms=No
 
     def inspect(graph):
         seen["fused"] = [op_arguments(n) for n in graph.nodes if n.target is FUSED_OP]
-        seen["left"] = sum(1 for n in graph.nodes if n.target is ALL_REDUCE)
+        seen["left"] = unfused_all_reduces(graph)
 
     config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch",
                                  **({} if quant_forms is None else {"quant_forms": quant_forms}))

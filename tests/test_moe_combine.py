@@ -19,6 +19,7 @@ import arfusion
 from arfusion.fusion_pass import ArFusionPass, ChainedPass
 from arfusion.graph_utils import ALL_REDUCE
 
+from .models import unfused_all_reduces
 from .test_match_by_meaning import NORMS
 from .test_numerics_gloo import assert_close, run_workers
 
@@ -101,7 +102,7 @@ def compile_run(module, inputs, fuse_moe_combine=True, dynamic=False, backend="t
     def inspect(graph):
         seen.update(moe=sum(1 for n in graph.nodes if n.target is MOE_OP),
                     plain=sum(1 for n in graph.nodes if n.target is FUSED_OP),
-                    left=sum(1 for n in graph.nodes if n.target is ALL_REDUCE))
+                    left=unfused_all_reduces(graph))
 
     config = arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend, fuse_moe_combine=fuse_moe_combine)
     arfusion.reset_stats()

@@ -48,6 +48,16 @@ class Capabilities:
             return "needs a residual"
         return None
 
+    def why_not_plain(self, call: Call) -> str | None:
+        """The static checks for a plain all-reduce (no norm, so no norm or quant form)."""
+        if call.device.type not in self.device_types:
+            return f"device {call.device.type} not in {sorted(self.device_types)}"
+        if call.dtype not in self.dtypes:
+            return f"dtype {call.dtype} not supported"
+        if self.world_sizes and call.world_size not in self.world_sizes:
+            return f"world size {call.world_size} not in {sorted(self.world_sizes)}"
+        return None
+
 
 @dataclass
 class Backend:

@@ -41,6 +41,18 @@ class TorchBackend(Backend):
         combined = reference.moe_combine(rows, scale, index, top_k, scale_first, shared, routed_scale)
         return reference.unfused(combined, residual, weight, eps, call.group_name, call.site, quant_scale, input_scale)
 
+    def plain_why_not(self, call, max_bytes_override=None):
+        # The reference takes every form, the plain all-reduce too (no speed-up): CPU runs and
+        # tests see which all-reduces a GPU backend's fast path would get.
+        reason = self.capabilities.why_not_plain(call)
+        if reason is None and max_bytes_override is not None and call.nbytes is not None \
+                and call.nbytes > max_bytes_override:
+            reason = f"{call.nbytes} bytes per rank > cap {max_bytes_override} (the configured plain_max_size_mb)"
+        return reason
+
+    def all_reduce(self, call, x):
+        return reference.all_reduce_sum(x, call.group_name)
+
     def quantized_min_bytes(self, call, level):
         return 0, "the torch backend emulates the quantized all-reduce at every size"
 
