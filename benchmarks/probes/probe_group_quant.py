@@ -3,7 +3,7 @@ the per-group quant after FlashInfer's norm, and the fallback's add+RMSNorm+quan
 (A first run also showed the compiled code does run inside captures under
 set_stance("eager_on_recompile"): the slow part was the fully dynamic kernel.)
 
-    python tests/gpu/probe_group_quant.py
+    python benchmarks/probes/probe_group_quant.py
 """
 
 from __future__ import annotations

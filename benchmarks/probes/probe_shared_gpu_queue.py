@@ -1,6 +1,6 @@
 """Do FlashInfer's one-shot kernels finish when two ranks share one GPU and queue several calls?
 
-    torchrun --nproc-per-node 2 tests/gpu/probe_shared_gpu_queue.py
+    torchrun --nproc-per-node 2 benchmarks/probes/probe_shared_gpu_queue.py
 
 Context for check_moe_combine.py --shared-gpu, whose CUDA-graph warm-up (three calls queued
 without a synchronize) hung while every eager call followed by a synchronize finished. Here the
@@ -25,7 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# check_moe_combine and shared_gpu live with the GPU checks
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "gpu"))
 from check_moe_combine import EPS, K, graph_of, make_inputs, moe_op  # noqa: E402
 from shared_gpu import lift_shared_gpu_guard  # noqa: E402
 

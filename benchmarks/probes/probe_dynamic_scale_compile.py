@@ -1,6 +1,6 @@
 """Where the 66 s of the `scaled_by_an_attribute_dynamic` awkward-input case go. Not collected by pytest.
 
-    torchrun --nproc-per-node 2 tests/gpu/probe_dynamic_scale_compile.py --shared-gpu
+    torchrun --nproc-per-node 2 benchmarks/probes/probe_dynamic_scale_compile.py --shared-gpu
 
 Compiles `ScaledByAttribute` (HF Granite's `* self.residual_multiplier`, an fp32 0-d graph input
 under dynamic=True) three times in one process, first call timed each time: without the pass,
@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import shared_gpu  # tests/gpu/shared_gpu.py
-
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT / "tests" / "gpu"), str(ROOT)]
+import shared_gpu  # noqa: E402  (tests/gpu/shared_gpu.py)
 from tests.bad_input_cases import ScaledByAttribute  # noqa: E402
 
 import arfusion  # noqa: E402

@@ -1,6 +1,6 @@
 """Which roundings does Inductor keep in `residual + x -> HF Llama RMSNorm` (bf16)? Not collected by pytest.
 
-    python tests/gpu/probe_inductor_rounding.py [--device cuda|cpu]
+    python benchmarks/probes/probe_inductor_rounding.py [--device cuda|cpu]
 
 The model as written rounds the residual sum to bf16, normalises it in fp32, rounds the normalised
 value to bf16 and rounds again after the weight. Fused all-reduce kernels (FlashInfer's

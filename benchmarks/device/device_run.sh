@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stages of a GPU session, each under its own time limit so one hang cannot eat the rest.
 # On the GPU machine, from the repository root:
-#   source .device/setup.sh && bash tests/gpu/device_run.sh sweep4 checks2 checks4 sweep2
+#   source .device/setup.sh && bash benchmarks/device/device_run.sh sweep4 checks2 checks4 sweep2
 # Results land in $OUT (JSON per stage); the log is whatever the caller tees.
 set -u
 OUT="${OUT:-/tmp/arfusion-out}"
@@ -52,7 +52,7 @@ for s in "$@"; do
       CUDA_VISIBLE_DEVICES=0,1 bash "$0" qbench2
       wait
       cat /tmp/qchecks2.log ;;
-    probeq) stage probeq "${LIMIT:-120}" python tests/gpu/probe_group_quant.py ;;
+    probeq) stage probeq "${LIMIT:-120}" python benchmarks/probes/probe_group_quant.py ;;
     probeq+qchecks2)  # the one-GPU probe on GPU 0 beside the TP=2 checks on GPUs 2,3
       (CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29611 bash "$0" qchecks2 >/tmp/qchecks2.log 2>&1) &
       CUDA_VISIBLE_DEVICES=0 bash "$0" probeq
@@ -101,7 +101,7 @@ for s in "$@"; do
     # Where only one GPU is lent: the same correctness checks with both ranks on GPU 0 (gloo, no timings).
     # Queued calls and CUDA graphs of the MoE op, both ranks on GPU 0 (the finalize race; the last
     # step, an odd graph of MoE calls alone, is expected to hang and be stopped by the watchdog).
-    queue1shared) stage queue1shared "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/probe_shared_gpu_queue.py ;;
+    queue1shared) stage queue1shared "${LIMIT:-240}" $TORCHRUN 2 benchmarks/probes/probe_shared_gpu_queue.py ;;
     moecheck1shared) stage moecheck1shared "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --shared-gpu \
       --budget-s $(( ${LIMIT:-300} - 90 )) --out "$OUT/moe_combine_shared_gpu" ;;
     # The floor under the MoE decode targets (issue 13), on one GPU: one rank's share of the TP=2 model
@@ -143,6 +143,9 @@ for s in "$@"; do
     loop4) stage loop4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     loop4r) stage loop4r "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
       --tag loop_on_first --out "$OUT" ;;
+    # Every GPU check at once through pytest (tests/gpu: what this machine cannot run is skipped with the
+    # reason); JSON and logs under $OUT/gpu. GPU_K picks checks by name, e.g. GPU_K=shared_gpu.
+    gpu) ARFUSION_GPU_OUT="$OUT/gpu" stage gpu "${LIMIT:-580}" python -m pytest tests/gpu -s ${GPU_K:+-k "$GPU_K"} ;;
     first2) stage first2 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[2]" ;;
     first4) stage first4 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[4]" ;;
     # Where only one GPU is lent (tests/gpu/shared_gpu.py: both ranks on GPU 0, gloo, what is computed,
