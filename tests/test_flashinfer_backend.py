@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from arfusion import reference, runtime, tuning
+from arfusion import core, reference, runtime, tuning
 from arfusion.backends import flashinfer as fi
 from arfusion.backends import flashinfer_dispatch as dispatch
 from arfusion.core import Call, Site
@@ -98,10 +98,21 @@ def install_fake_flashinfer():
         return FakeWorkspace(kw["world_size"], kw["rank"], kw["max_token_num"], kw["hidden_dim"],
                              kw["dtype"], kw["group"])
 
-    def allreduce_fusion(*, input, workspace, pattern, residual_in, residual_out, norm_out, rms_gamma,
-                         rms_eps, use_oneshot, fp32_acc, weight_bias, launch_with_pdl,
-                         trigger_completion_at_end, quant_out=None, scale_out=None, scale_factor=None,
-                         **rest):
+    def allreduce_fusion(*, input, workspace, pattern, use_oneshot, fp32_acc, launch_with_pdl,
+                         trigger_completion_at_end, residual_in=None, residual_out=None, norm_out=None,
+                         rms_gamma=None, rms_eps=1e-6, weight_bias=0.0, quant_out=None, scale_out=None,
+                         scale_factor=None, output=None, **rest):
+        if pattern == 0:  # kAllReduce: writes `output` only, reads nothing else
+            calls["fusion"].append(dict(pattern=0, use_oneshot=use_oneshot, fp32_acc=fp32_acc, tokens=input.shape[0],
+                                        trigger_at_end=trigger_completion_at_end, output=output is not None,
+                                        residual_in=residual_in is not None, rms_gamma=rms_gamma is not None))
+            assert input.dim() == 2 and input.is_contiguous() and output.shape == input.shape
+            assert isinstance(use_oneshot, bool) and (use_oneshot or input.shape[0] > workspace.world_size)
+            assert workspace.is_buffer_size_sufficient(workspace.world_size, *input.shape, input.dtype)
+            summed = input.float()
+            dist.all_reduce(summed, group=workspace.group)
+            output.copy_(summed.to(input.dtype))
+            return output
         calls["fusion"].append(dict(pattern=pattern, use_oneshot=use_oneshot, fp32_acc=fp32_acc,
                                     weight_bias=weight_bias, rms_eps=rms_eps, pdl=launch_with_pdl,
                                     trigger_at_end=trigger_completion_at_end, tokens=input.shape[0],
@@ -146,7 +157,7 @@ def install_fake_flashinfer():
         return norm_out if norm_out is not None else quant_out
 
     comm.AllReduceFusionPattern = types.SimpleNamespace(
-        kARResidualRMSNorm=1, kARResidualRMSNormFP8Quant=2, kARResidualRMSNormFP4Quant=3,
+        kAllReduce=0, kARResidualRMSNorm=1, kARResidualRMSNormFP8Quant=2, kARResidualRMSNormFP4Quant=3,
         kARResidualRMSNormOutFP8Quant=4, kARResidualRMSNormOutFP4Quant=5,
         kARResidualRMSNormPerTokenGroupFP8PackedQuant=8, kARResidualRMSNormOutPerTokenGroupFP8PackedQuant=9,
         kARResidualRMSNormDynamicFP8Quant=10, kARResidualRMSNormOutDynamicFP8Quant=11)
@@ -414,6 +425,13 @@ def _worker(rank, world, init_file, out_dir):
 
         check(8)
         if name == "ok":
+            for shape in ((2, 5, 64), (40, 64)):  # the plain fast-path all-reduce, on the same workspace
+                torch.manual_seed(7 + rank)
+                x = torch.randn(*shape, dtype=torch.bfloat16)
+                got = torch.ops.arfusion.all_reduce(x, group.group_name, "flashinfer", -1)
+                want = reference.all_reduce_sum(x, group.group_name)
+                if got.shape != x.shape or not torch.equal(got, want):
+                    result["errors"].append(f"plain {shape}: max diff {(got.float() - want.float()).abs().max()}")
             check(3, residual=False)  # zero residual, same workspace
             check(40, norm="gemma_rms")
             check(2, oneshot=False)  # two-shot needs tokens > world size: stays one-shot
@@ -519,13 +537,17 @@ def test_workspace_created_once_per_group_reused_and_grown(two_rank_results):
                    and c["hidden_dim"] == 64 for c in creates)
         assert [c["max_token_num"] for c in creates] == [1024, 4096]
         assert result["retired"] == 1  # kept alive: captured graphs may still point into it
-        fusion = {f["tokens"]: f for f in result["fusion"]}
+        fusion = {f["tokens"]: f for f in result["fusion"] if f["pattern"] != 0}
         assert all(f["pattern"] == 1 and f["fp32_acc"] is True and f["rms_eps"] == 1e-6
                    and f["trigger_at_end"] is True for f in fusion.values())
         assert fusion[40]["weight_bias"] == 1.0 and fusion[8]["weight_bias"] == 0.0
         assert fusion[3]["residual_all_zero"]
         assert fusion[2]["use_oneshot"] and not fusion[100]["use_oneshot"] and fusion[8]["use_oneshot"]
-        assert result["dispatch"] == {"flashinfer": 4}  # the two forced calls ran the kernel directly
+        assert result["dispatch"] == {"flashinfer": 4, "flashinfer all-reduce": 2}  # forced calls: the kernel alone
+        plain = [f for f in result["fusion"] if f["pattern"] == 0]
+        assert [f["tokens"] for f in plain] == [10, 40] and all(
+            f["use_oneshot"] and f["output"] and not f["residual_in"] and not f["rms_gamma"] and f["fp32_acc"]
+            and f["trigger_at_end"] for f in plain)
 
 
 @pytest.mark.parametrize("name", ["fail_build", "fail_create", "low_memory"])
@@ -662,3 +684,36 @@ def test_progress_without_tqdm(monkeypatch, capsys):
     bar.update("T=2")
     bar.close()
     assert "2/2" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------- the plain fast-path all-reduce
+
+PLAIN_ALL_REDUCE = core.PLAIN
+
+
+@pytest.mark.parametrize("world,hidden,last_plain", [(2, 4096, 512), (4, 4096, 128), (8, 4096, 64), (2, 8192, 256)])
+def test_plain_all_reduce_cap_is_inclusive(backend, world, hidden, last_plain):
+    assert backend.plain_why_not(call(last_plain, hidden, world, site=PLAIN_ALL_REDUCE)) is None
+    reason = backend.plain_why_not(call(last_plain + 1, hidden, world, site=PLAIN_ALL_REDUCE))
+    assert "> cap" in reason and "(plain)" in reason
+
+
+def test_plain_all_reduce_guards(backend):
+    plain = dict(site=PLAIN_ALL_REDUCE)
+    assert "world size" in backend.plain_why_not(call(8, world=3, **plain))
+    assert "no plain all-reduce entry" in backend.plain_why_not(call(8, world=16, **plain))
+    assert "dtype" in backend.plain_why_not(call(8, dtype=torch.float32, **plain))
+    assert "multiple of 8" in backend.plain_why_not(call(8, hidden=4100, **plain))
+    assert backend.plain_why_not(call(None, **plain)) is None  # symbolic tokens: decided per call
+    assert backend.plain_why_not(call(4096, world=2, **plain), 64 * MiB) is None  # the user's cap wins...
+    assert "HARD" not in (backend.plain_why_not(call(16384, hidden=8192, world=2, **plain), 1 << 40) or "HARD")
+    assert "> cap" in backend.plain_why_not(call(16384, hidden=8192, world=2, **plain), 1 << 40)  # ...up to 64 MiB
+
+
+def test_the_plain_table_is_part_of_what_ranks_compare():
+    before = dispatch.table_hash()
+    dispatch.PLAIN_MAX_MIB[(9, 2)] += 1
+    try:
+        assert dispatch.table_hash() != before
+    finally:
+        dispatch.PLAIN_MAX_MIB[(9, 2)] -= 1

@@ -236,23 +236,29 @@ class FlashInferBackend(Backend):
 
     def prepare(self, call: Call, max_bytes_override: int | None = None) -> str | None:
         state = self._groups.current(call.group_name)
-        if state.failed:
-            return state.failed
-        if not self._fits(state, call):
-            if runtime.capturing():
-                return ("no large enough FlashInfer workspace yet and workspaces are never created "
-                        "during CUDA-graph capture: run the model once eagerly first")
-            # Sized for the largest input this configuration fuses (the user's cap, else the
-            # table's), so one workspace serves every shape and every captured graph.
-            cap = max_bytes_override if max_bytes_override is not None else self.default_max_bytes(call)
-            wanted = min(max(cap or 0, call.nbytes), dispatch.HARD_MAX_FUSED_BYTES)
-            reason = outside_graph_pools(call.device, lambda: self._create_workspace(state, call, wanted))
-            if reason:
-                return reason
+        # Sized for the largest input this configuration fuses (the user's cap, else the table's),
+        # so one workspace serves every shape and every captured graph.
+        cap = max_bytes_override if max_bytes_override is not None else self.default_max_bytes(call)
+        reason = self._ready_workspace(state, call, cap)
+        if reason:
+            return reason
         if not call.site.residual and call.dtype not in state.zeros and not runtime.capturing():
             state.zeros[call.dtype] = outside_graph_pools(
                 call.device, lambda: torch.zeros(state.capacity_elems, dtype=call.dtype, device=call.device))
         return None
+
+    def _ready_workspace(self, state: _GroupState, call: Call, cap: int | None) -> str | None:
+        """The group's workspace, holding at least `call` (made for max(cap, call) if it must be
+        made: collectively, outside graph pools, never during capture), or why there is none."""
+        if state.failed:
+            return state.failed
+        if self._fits(state, call):
+            return None
+        if runtime.capturing():
+            return ("no large enough FlashInfer workspace yet and workspaces are never created "
+                    "during CUDA-graph capture: run the model once eagerly first")
+        wanted = min(max(cap or 0, call.nbytes), dispatch.HARD_MAX_FUSED_BYTES)
+        return outside_graph_pools(call.device, lambda: self._create_workspace(state, call, wanted))
 
     def _fits(self, state: _GroupState, call: Call) -> bool:
         ws = state.workspace
@@ -348,6 +354,42 @@ class FlashInferBackend(Backend):
         elif site.quant == "fp8_group":
             produced.update(_group_quant(produced["norm"]))
         return [produced[name] for name in site.outputs()]
+
+    # ------------------------------------------------------------- plain all-reduce
+
+    def plain_why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+        """FlashInfer's kAllReduce (one-shot, on the group's workspace) where the plain table says
+        it beats NCCL (`dispatch.plain_max_bytes`); tokens None: decided at run time."""
+        reason = self.capabilities.why_not_plain(call) or self.unavailable(call.device)
+        if reason:
+            return reason
+        if call.hidden % 8:
+            return f"last dim {call.hidden} is not a multiple of 8"
+        if max_bytes_override is not None:
+            cap, source = max_bytes_override, "the configured plain_max_size_mb"
+        else:
+            facts = device_facts(runtime.device_index(call.device))
+            cap, source = dispatch.plain_max_bytes(facts.sm[0], facts.name, call.world_size, call.hidden, call.dtype)
+            if cap is None:
+                return source
+        cap = min(cap, dispatch.HARD_MAX_FUSED_BYTES)
+        if call.nbytes is not None and call.nbytes > cap:
+            return f"{call.nbytes} bytes per rank > cap {cap} ({source})"
+        return None
+
+    def prepare_plain(self, call: Call) -> str | None:
+        """The group's workspace, the same one the fused sites use (a plain call on it keeps every
+        rank's sequence of calls the same), grown if this call needs more."""
+        return self._ready_workspace(self._groups.current(call.group_name), call, self.default_max_bytes(call))
+
+    def all_reduce(self, call: Call, x: torch.Tensor) -> torch.Tensor:
+        fic = importlib.import_module("flashinfer.comm")
+        out = torch.empty_like(x)
+        fic.allreduce_fusion(
+            input=x, workspace=self._groups[call.group_name].workspace,
+            pattern=fic.AllReduceFusionPattern.kAllReduce, launch_with_pdl=self.launch_with_pdl,
+            trigger_completion_at_end=True, output=out, use_oneshot=self.use_oneshot(call), fp32_acc=self.fp32_acc)
+        return out
 
     # ------------------------------------------------------------- MoE combine
 

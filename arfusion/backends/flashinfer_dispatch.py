@@ -120,7 +120,7 @@ def quant_problem(form: str, sm_major: int, cuda_version: str | None) -> str | N
 # MoE top-k combine fused into the site (`trtllm_moe_finalize_allreduce_fusion`): (SM major, world
 # size) -> largest token count (inclusive) it is used for; above it, or where no entry is, the op
 # combines in torch and runs the ordinary fused site. 2xH200, HF grouped-experts layout, K=8, vs
-# compiled combine + NCCL + compiled add+norm (FIELD_NOTES 8.2): hidden 2048 1.51/1.56/1.26/0.65/
+# compiled combine + NCCL + compiled add+norm (docs/history, MoE kernels on 2xH200): hidden 2048 1.51/1.56/1.26/0.65/
 # 0.44x at T=1/8/32/64/128, hidden 4096 1.50/1.75/1.18x at T=1/8/32: decode sizes only. Other
 # worlds and GPUs are unmeasured (tests/gpu/check_moe_combine.py measures them).
 MOE_FINALIZE_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 2): 32}
@@ -157,7 +157,7 @@ def moe_finalize_problem(sm_major: int, world_size: int, tokens: int | None) -> 
 # Quantized all-reduce (`flashinfer.comm.quantized_allreduce.quantized_all_reduce`: FP8 payload,
 # two-shot over torch symmetric memory, bf16 only): (SM major, world size) -> {level: MiB per rank
 # from which it is used, inclusive}. SM90 world 2, 2xH200 in CUDA graphs at the site (hidden 4096,
-# quantized all-reduce + compiled add+RMSNorm; FIELD_NOTES 8.2) against FlashInfer's exact fused
+# quantized all-reduce + compiled add+RMSNorm; docs/benchmarks.md) against FlashInfer's exact fused
 # kernel: 0.52/0.76/0.95/1.19/1.25/1.25x at 1/2/4/8/16/32 MiB; against NCCL + the same norm (the
 # exact path above the 32 MiB fused cap) 1.26x all-reduce alone at 64 MiB. Hence 8 MiB. Other
 # GPUs and worlds are unmeasured: `arfusion tune --quantized fp8` or quantized_allreduce_min_mb.
@@ -165,6 +165,40 @@ QUANTIZED_MIN_MIB: dict[tuple[int, int], dict[str, float]] = {(9, 2): {"fp8": 8}
 # The largest message measured (64 MiB: 1.26x); larger ones keep the exact path. It also sizes
 # the symmetric buffer (about half of it: one byte per element plus scales).
 QUANTIZED_MAX_BYTES = 64 * MiB
+
+
+# The plain all-reduce (`arfusion::all_reduce`, FlashInfer's one-shot kAllReduce on the group's
+# fused-kernel workspace): (SM major, world size) -> MiB per rank up to which (inclusive) it replaces
+# NCCL. It is measured against NCCL's all-reduce alone, so its caps sit below the fused site's.
+# SM90 worlds 2 and 4: 2xH200 / 4xH200, hidden 4096, in CUDA graphs, FlashInfer's fused kernel took
+# 0.50-0.79x of NCCL all_reduce alone up to T = 512 (4 MiB) at world 2 and up to T = 128 (1 MiB) at
+# world 4 (docs/benchmarks.md, per-site table: fi_fused vs nccl_ar); the plain kernel does less
+# than the fused one, so these are conservative until `arfusion tune` measures the plain kernel
+# itself. SM90 world 8 and SM100: vLLM's one-shot caps (vLLM PR #52998 makes this kernel its
+# default TP all-reduce with the caps of vllm/compilation/passes/fusion/allreduce_rms_fusion.py),
+# unmeasured here.
+PLAIN_MAX_MIB: dict[tuple[int, int], float] = {
+    (9, 2): 4,
+    (9, 4): 1,
+    (9, 8): 0.5,
+    (10, 2): 32,
+    (10, 4): 4,
+    (10, 8): 1,
+}
+
+
+def plain_max_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int,
+                    dtype: torch.dtype) -> tuple[int | None, str]:
+    """(largest per-rank bytes the plain all-reduce takes, inclusive, or None: no entry; source)."""
+    entry = tuned_entries().get(tuned_key(gpu_name, world_size, hidden, dtype))
+    if entry is not None and "plain_max_tokens" in entry:
+        return int(entry["plain_max_tokens"]) * hidden * torch.empty((), dtype=dtype).element_size(), \
+            f"tuned cache {cache_path()}"
+    mib = PLAIN_MAX_MIB.get((sm_major, world_size)) if dtype in HALF_DTYPES else None
+    if mib is None:
+        return None, (f"no plain all-reduce entry for SM {sm_major}x, world size {world_size}, {dtype} "
+                      "(run `arfusion tune` or set plain_max_size_mb)")
+    return int(mib * MiB), f"seed table SM{sm_major}x world {world_size} (plain)"
 
 
 SEED_TABLE: dict[tuple[int, int, torch.dtype], Limits] = {
@@ -266,5 +300,6 @@ def table_hash() -> str:
     seed += repr(sorted(GROUP_QUANT_MAX_MIB.items())) + repr(sorted(QUANT_MIN_SM.items()))
     seed += repr(sorted(SCALED_INPUT_MAX_MIB.items()))
     seed += repr(sorted(MOE_FINALIZE_MAX_TOKENS.items())) + repr(sorted(QUANTIZED_MIN_MIB.items()))
+    seed += repr(sorted(PLAIN_MAX_MIB.items()))
     seed += repr(moe_finalize_opted_in())
     return hashlib.sha256(f"{seed}|{cache_hash()}".encode()).hexdigest()[:16]
