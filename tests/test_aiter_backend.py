@@ -19,7 +19,7 @@ import torch
 
 import arfusion.ops
 from arfusion import quant, reference, runtime
-from arfusion.backends import aiter as ab
+from arfusion.backends.aiter import AiterBackend, communicator, detection, limits, stages
 from arfusion.backends import get_backend, resolve
 from arfusion.core import Call, Site
 
@@ -36,13 +36,13 @@ GROUP = "tp0"
 
 @pytest.fixture(autouse=True)
 def clean_state():
-    ab.detect.cache_clear()
-    ab._reference_layout.cache_clear()
-    ab._gloo_groups.clear()
+    detection.detect.cache_clear()
+    stages._reference_layout.cache_clear()
+    communicator._gloo_groups.clear()
     arfusion.runtime._logged.clear()
     yield
-    ab.detect.cache_clear()
-    ab._reference_layout.cache_clear()
+    detection.detect.cache_clear()
+    stages._reference_layout.cache_clear()
 
 
 class _BlockAiterImports(importlib.abc.MetaPathFinder):
@@ -60,7 +60,8 @@ class _BlockAiterImports(importlib.abc.MetaPathFinder):
 
 
 def _aiter_modules() -> list[str]:
-    """aiter, or the generic modules its failed import leaves behind (FIELD_NOTES §4)."""
+    """aiter, or the generic modules its failed import leaves behind: aiter/jit/core.py puts
+    aiter/jit/utils on sys.path first (amd-aiter 0.1.7.post2.dev18)."""
     left_behind = ("aiter", "chip_info", "cpp_extension", "torch_guard", "file_baton")
     return [m for m in sys.modules if m.split(".")[0] in left_behind]
 
@@ -75,7 +76,7 @@ def block_aiter(monkeypatch):
 
 def simulate_rocm(monkeypatch, arch: str = "gfx942", fake: FakeAiter | None = None) -> FakeAiter:
     """A ROCm torch build with one GPU of `arch` and (fake) aiter installed."""
-    fake = fake or FakeAiter(fp8=ab.LIMITS.fp8_dtypes.get(arch, torch.float8_e4m3fn))
+    fake = fake or FakeAiter(fp8=limits.LIMITS.fp8_dtypes.get(arch, torch.float8_e4m3fn))
     monkeypatch.setattr(torch.version, "hip", "6.4.43482")
     props = types.SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
@@ -89,13 +90,13 @@ def rocm_env(monkeypatch):
     """simulate_rocm plus a fake all-reduce and reference quant, so runs compute on the CPU."""
 
     def setup(arch="gfx950", version=V_MAIN, **fake_kwargs):
-        fake = FakeAiter(version=version, fp8=ab.LIMITS.fp8_dtypes[arch], **fake_kwargs)
+        fake = FakeAiter(version=version, fp8=limits.LIMITS.fp8_dtypes[arch], **fake_kwargs)
         simulate_rocm(monkeypatch, arch, fake)
         monkeypatch.setattr(reference, "all_reduce_sum", lambda x, group: fake.reduce(x))
         monkeypatch.setattr(quant, "quantize",
                             lambda normed, form, scale: fake_quantize(normed, form, scale, fake.fp8))
-        monkeypatch.setattr(ab, "_resolve_group", lambda name: f"pg:{name}")
-        monkeypatch.setattr(ab, "gloo_twin", lambda group: f"gloo:{group}")
+        monkeypatch.setattr(communicator, "resolve", lambda name: f"pg:{name}")
+        monkeypatch.setattr(communicator, "gloo_twin", lambda group: f"gloo:{group}")
         monkeypatch.setattr(runtime, "capturing", lambda: False)
         return fake
 
@@ -131,10 +132,10 @@ def run_and_expect(backend, c: Call, seed=0):
     return outs
 
 
-def found_for(arch="gfx950", version=V_MAIN, fp8=None) -> ab.Detected:
-    fake = FakeAiter(version=version, fp8=fp8 or ab.LIMITS.fp8_dtypes[arch])
-    mod = fake.modules()[ab.CUSTOM_AR_MODULE]
-    return ab.Detected(arch=arch, api=ab.describe_api(mod, version, fake.fp8), custom_ar=mod)
+def found_for(arch="gfx950", version=V_MAIN, fp8=None) -> detection.Detected:
+    fake = FakeAiter(version=version, fp8=fp8 or limits.LIMITS.fp8_dtypes[arch])
+    mod = fake.modules()[limits.CUSTOM_AR_MODULE]
+    return detection.Detected(arch=arch, api=detection.describe_api(mod, version, fake.fp8), custom_ar=mod)
 
 
 # ---------------------------------------------------------------- detection
@@ -153,7 +154,7 @@ def test_this_machine_never_imports_aiter(block_aiter):
 def test_detection_stops_when_package_missing(monkeypatch, block_aiter):
     monkeypatch.setattr(torch.version, "hip", "6.4")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert ab.AiterBackend().unavailable(CUDA) == "aiter is not installed"
+    assert AiterBackend().unavailable(CUDA) == "aiter is not installed"
     assert block_aiter.attempts == []
 
 
@@ -163,7 +164,7 @@ def test_detection_stops_on_unsupported_arch(monkeypatch, block_aiter, arch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: importlib.machinery.ModuleSpec(name, None))
     props = types.SimpleNamespace(gcnArchName=arch)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
-    assert "is not one of ['gfx942', 'gfx950']" in ab.AiterBackend().unavailable(CUDA)
+    assert "is not one of ['gfx942', 'gfx950']" in AiterBackend().unavailable(CUDA)
     assert block_aiter.attempts == []
 
 
@@ -173,7 +174,7 @@ def test_detection_survives_a_failing_import(monkeypatch, block_aiter):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: importlib.machinery.ModuleSpec(name, None))
     props = types.SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
-    reason = ab.AiterBackend().unavailable(CUDA)
+    reason = AiterBackend().unavailable(CUDA)
     assert reason.startswith("import aiter failed: RuntimeError")
     assert block_aiter.attempts == ["aiter"]
 
@@ -184,15 +185,15 @@ def test_detection_succeeds_and_is_cached(monkeypatch, arch):
     reads = []
     props = types.SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: reads.append(index) or props)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     assert backend.unavailable(CUDA) is None
     assert backend.unavailable(torch.device("cuda")) is None  # index None: current device 0
     assert reads == [0]
-    assert ab.detect(0).arch == arch
+    assert detection.detect(0).arch == arch
 
 
 def test_cpu_device_is_declined_without_detection(block_aiter):
-    assert "ROCm GPUs only" in ab.AiterBackend().unavailable(torch.device("cpu"))
+    assert "ROCm GPUs only" in AiterBackend().unavailable(torch.device("cpu"))
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
@@ -223,8 +224,8 @@ def test_api_is_read_from_signatures(version, expected):
 
 
 def test_quant_dtype_follows_arch():
-    assert ab.quant_dtype("gfx942") == torch.float8_e4m3fnuz
-    assert ab.quant_dtype("gfx950") == torch.float8_e4m3fn
+    assert detection.quant_dtype("gfx942") == torch.float8_e4m3fnuz
+    assert detection.quant_dtype("gfx950") == torch.float8_e4m3fn
 
 
 # ---------------------------------------------------------------- shape gates
@@ -255,13 +256,13 @@ def test_quant_dtype_follows_arch():
 ])
 def test_shape_check_boundaries(monkeypatch, kwargs, ok):
     simulate_rocm(monkeypatch, "gfx942")
-    reason = ab.AiterBackend().shape_check(call(**kwargs))
+    reason = AiterBackend().shape_check(call(**kwargs))
     assert (reason is None) == ok, reason
 
 
 def test_why_not_caps_bytes_even_with_a_larger_user_override(monkeypatch):
     simulate_rocm(monkeypatch, "gfx942")
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     at_limit, past = call(tokens=8192, hidden=4096), call(tokens=8193, hidden=4096)
     assert backend.default_max_bytes(at_limit) == 64 * MIB
     assert backend.why_not(at_limit) is None
@@ -278,14 +279,14 @@ def test_why_not_caps_bytes_even_with_a_larger_user_override(monkeypatch):
 ])
 def test_old_aiter_row_sizes(monkeypatch, version, hidden, ok):
     simulate_rocm(monkeypatch, "gfx942", FakeAiter(version=version))
-    reason = ab.AiterBackend().shape_check(call(hidden=hidden))
+    reason = AiterBackend().shape_check(call(hidden=hidden))
     assert (reason is None) == ok, reason
 
 
 @pytest.mark.parametrize("version, ok", [(V017, False), (V_STAGE, False), (V_MAIN, True)])
 def test_gemma_needs_gemma_norm(monkeypatch, version, ok):
     simulate_rocm(monkeypatch, "gfx942", FakeAiter(version=version))
-    reason = ab.AiterBackend().shape_check(call(norm="gemma_rms"))
+    reason = AiterBackend().shape_check(call(norm="gemma_rms"))
     assert (reason is None) == ok, reason
 
 
@@ -309,66 +310,66 @@ def test_gemma_needs_gemma_norm(monkeypatch, version, ok):
 ])
 def test_one_stage_choice(kwargs, one_stage):
     c = call(**kwargs)
-    assert ab.use_one_stage(c, found_for().api) is one_stage
+    assert stages.use_one_stage(c, found_for().api) is one_stage
 
 
 @pytest.mark.parametrize("hidden, one_stage", [(4096, True), (2048, True), (5120, False), (2880, False)])
 def test_one_stage_on_old_aiter_only_for_its_hidden_sizes(hidden, one_stage):
     api = found_for(version=V_STAGE).api
-    assert ab.use_one_stage(call(tokens=1, hidden=hidden), api) is one_stage
+    assert stages.use_one_stage(call(tokens=1, hidden=hidden), api) is one_stage
 
 
 # ---------------------------------------------------------------- which stages are planned
 
 
 def plan_for(monkeypatch, c: Call, arch="gfx950", version=V_MAIN, env=False, fp8=None):
-    fp8_dtype = ab.LIMITS.fp8_dtypes[arch]
+    fp8_dtype = limits.LIMITS.fp8_dtypes[arch]
     monkeypatch.setattr(quant, "quantize", lambda n, f, s: fake_quantize(n, f, s, fp8_dtype))
-    return ab.plan(c, found_for(arch, version, fp8), env)
+    return stages.plan(c, found_for(arch, version, fp8), env)
 
 
 @pytest.mark.parametrize("kwargs, arch, first", [
-    (dict(quant_form="none"), "gfx950", ab.FUSED_NORM),
-    (dict(quant_form="fp8_group", emit_norm=False), "gfx950", ab.FUSED_QUANT),
-    (dict(quant_form="fp8_group", emit_norm=True), "gfx950", ab.FUSED_QUANT),
-    (dict(quant_form="fp8_group", emit_norm=False), "gfx942", ab.FUSED_NORM),  # gfx95x only
-    (dict(quant_form="fp8_dynamic", emit_norm=False), "gfx950", ab.FUSED_QUANT),
-    (dict(quant_form="fp8_dynamic", emit_norm=False), "gfx942", ab.FUSED_NORM),
-    (dict(quant_form="fp8_dynamic", emit_norm=True), "gfx950", ab.FUSED_NORM),
-    (dict(quant_form="fp8_static", emit_norm=False), "gfx950", ab.FUSED_NORM),
-    (dict(quant_form="nvfp4", emit_norm=False), "gfx950", ab.FUSED_NORM),
-    (dict(quant_form="fp8_group", norm="gemma_rms", emit_norm=False), "gfx950", ab.FUSED_NORM),
-    (dict(quant_form="fp8_dynamic", norm="gemma_rms", emit_norm=False), "gfx950", ab.FUSED_QUANT),
-    (dict(quant_form="fp8_group", hidden=4096 + 64, emit_norm=False), "gfx950", ab.FUSED_NORM),
-    (dict(quant_form="fp8_dynamic", hidden=7168, emit_norm=False), "gfx950", ab.FUSED_QUANT),
-    (dict(quant_form="fp8_dynamic", hidden=5120, emit_norm=False), "gfx950", ab.FUSED_NORM),
-    (dict(quant_form="fp8_dynamic", tokens=512, emit_norm=False), "gfx950", ab.FUSED_QUANT),  # 4 MiB
-    (dict(quant_form="fp8_dynamic", tokens=513, emit_norm=False), "gfx950", ab.FUSED_NORM),
+    (dict(quant_form="none"), "gfx950", stages.FUSED_NORM),
+    (dict(quant_form="fp8_group", emit_norm=False), "gfx950", stages.FUSED_QUANT),
+    (dict(quant_form="fp8_group", emit_norm=True), "gfx950", stages.FUSED_QUANT),
+    (dict(quant_form="fp8_group", emit_norm=False), "gfx942", stages.FUSED_NORM),  # gfx95x only
+    (dict(quant_form="fp8_dynamic", emit_norm=False), "gfx950", stages.FUSED_QUANT),
+    (dict(quant_form="fp8_dynamic", emit_norm=False), "gfx942", stages.FUSED_NORM),
+    (dict(quant_form="fp8_dynamic", emit_norm=True), "gfx950", stages.FUSED_NORM),
+    (dict(quant_form="fp8_static", emit_norm=False), "gfx950", stages.FUSED_NORM),
+    (dict(quant_form="nvfp4", emit_norm=False), "gfx950", stages.FUSED_NORM),
+    (dict(quant_form="fp8_group", norm="gemma_rms", emit_norm=False), "gfx950", stages.FUSED_NORM),
+    (dict(quant_form="fp8_dynamic", norm="gemma_rms", emit_norm=False), "gfx950", stages.FUSED_QUANT),
+    (dict(quant_form="fp8_group", hidden=4096 + 64, emit_norm=False), "gfx950", stages.FUSED_NORM),
+    (dict(quant_form="fp8_dynamic", hidden=7168, emit_norm=False), "gfx950", stages.FUSED_QUANT),
+    (dict(quant_form="fp8_dynamic", hidden=5120, emit_norm=False), "gfx950", stages.FUSED_NORM),
+    (dict(quant_form="fp8_dynamic", tokens=512, emit_norm=False), "gfx950", stages.FUSED_QUANT),  # 4 MiB
+    (dict(quant_form="fp8_dynamic", tokens=513, emit_norm=False), "gfx950", stages.FUSED_NORM),
 ])
 def test_plan(monkeypatch, kwargs, arch, first):
-    stages, skipped = plan_for(monkeypatch, call(**kwargs), arch)
-    assert stages[0] == first and stages[-2:] == [ab.FUSED_NORM, ab.UNFUSED]
-    assert bool(skipped) == (kwargs["quant_form"] != "none" and first != ab.FUSED_QUANT)
+    planned, skipped = plan_for(monkeypatch, call(**kwargs), arch)
+    assert planned[0] == first and planned[-2:] == [stages.FUSED_NORM, stages.UNFUSED]
+    assert bool(skipped) == (kwargs["quant_form"] != "none" and first != stages.FUSED_QUANT)
 
 
 def test_plan_without_quant_kernels_in_old_aiter(monkeypatch):
-    stages, skipped = plan_for(monkeypatch, call(quant_form="fp8_group", emit_norm=False),
-                               version=V_STAGE)
-    assert stages == [ab.FUSED_NORM, ab.UNFUSED] and "no per-group" in skipped[0]
+    planned, skipped = plan_for(monkeypatch, call(quant_form="fp8_group", emit_norm=False),
+                                version=V_STAGE)
+    assert planned == [stages.FUSED_NORM, stages.UNFUSED] and "no per-group" in skipped[0]
 
 
 def test_env_opt_out_keeps_the_norm_fusion(monkeypatch):
-    stages, skipped = plan_for(monkeypatch, call(quant_form="fp8_group", emit_norm=False), env=True)
-    assert stages == [ab.FUSED_NORM, ab.UNFUSED] and ab.DISABLE_QUANT_ENV in skipped[0]
+    planned, skipped = plan_for(monkeypatch, call(quant_form="fp8_group", emit_norm=False), env=True)
+    assert planned == [stages.FUSED_NORM, stages.UNFUSED] and limits.DISABLE_QUANT_ENV in skipped[0]
     for value, disabled in [("1", True), ("0", False), ("", False), ("off", False), ("yes", True)]:
-        monkeypatch.setenv(ab.DISABLE_QUANT_ENV, value)
-        assert ab.quant_disabled_by_env() is disabled
+        monkeypatch.setenv(limits.DISABLE_QUANT_ENV, value)
+        assert detection.quant_disabled_by_env() is disabled
 
 
 def test_plan_needs_aiter_fp8_to_match_the_arch(monkeypatch):
     c = call(quant_form="fp8_group", emit_norm=False)
-    stages, skipped = plan_for(monkeypatch, c, "gfx950", fp8=torch.float8_e4m3fnuz)
-    assert stages[0] == ab.FUSED_NORM and "fp8 dtype" in skipped[0]
+    planned, skipped = plan_for(monkeypatch, c, "gfx950", fp8=torch.float8_e4m3fnuz)
+    assert planned[0] == stages.FUSED_NORM and "fp8 dtype" in skipped[0]
 
 
 def test_plan_needs_the_reference_quant_layout(monkeypatch):
@@ -376,18 +377,18 @@ def test_plan_needs_the_reference_quant_layout(monkeypatch):
     found = found_for("gfx950")
     # The reference quant still raising NotImplementedError (not written yet): no one-kernel.
     monkeypatch.setattr(quant, "quantize", lambda n, f, s: (_ for _ in ()).throw(NotImplementedError()))
-    stages, skipped = ab.plan(c, found, False)
-    assert stages[0] == ab.FUSED_NORM and "reference quant layout unknown" in skipped[0]
+    planned, skipped = stages.plan(c, found, False)
+    assert planned[0] == stages.FUSED_NORM and "reference quant layout unknown" in skipped[0]
     # A reference producing a transposed scale: no one-kernel either. (The FP8 dtype is not
     # compared: both sides take it from the arch, which a meta-device probe cannot see.)
     for other in (
         lambda n, f, s: {**fake_quantize(n, f, s, torch.float8_e4m3fn),
                          "scale": fake_quantize(n, f, s, torch.float8_e4m3fn)["scale"].t().contiguous().t()},
     ):
-        ab._reference_layout.cache_clear()
+        stages._reference_layout.cache_clear()
         monkeypatch.setattr(quant, "quantize", other)
-        stages, skipped = ab.plan(c, found, False)
-        assert stages[0] == ab.FUSED_NORM and "differ from the reference" in skipped[0]
+        planned, skipped = stages.plan(c, found, False)
+        assert planned[0] == stages.FUSED_NORM and "differ from the reference" in skipped[0]
 
 
 # ---------------------------------------------------------------- runs: outputs and aiter calls
@@ -407,7 +408,7 @@ SITES = [
 @pytest.mark.parametrize("site", SITES)
 def test_outputs_match_reference_in_site_order(rocm_env, version, arch, site):
     fake = rocm_env(arch, version)
-    run_and_expect(ab.AiterBackend(), call(**site))
+    run_and_expect(AiterBackend(), call(**site))
     assert fake.violations == []
     assert "custom_all_reduce" not in fake.names()  # a fused stage produced the result
 
@@ -416,14 +417,14 @@ def test_outputs_match_reference_in_site_order(rocm_env, version, arch, site):
                                   dict(norm="gemma_rms", quant_form="fp8_dynamic", emit_norm=False)])
 def test_gemma_outputs_match_reference(rocm_env, site):
     fake = rocm_env("gfx950", V_MAIN)
-    run_and_expect(ab.AiterBackend(), call(**site))
+    run_and_expect(AiterBackend(), call(**site))
     assert fake.violations == [] and fake.calls[-1][2]["gemma_norm"] is True
 
 
 def test_call_contract_0_1_7(rocm_env):
     fake = rocm_env("gfx942", V017)
     c = call(tokens=4, residual=False)
-    run_and_expect(ab.AiterBackend(), c)
+    run_and_expect(AiterBackend(), c)
     (init, init_args, init_kwargs), (name, args, kwargs) = fake.calls
     assert init == "__init__" and init_args == (f"gloo:pg:{GROUP}", CUDA)
     assert init_kwargs == {"max_size": 128 * MIB}
@@ -436,14 +437,14 @@ def test_call_contract_0_1_7(rocm_env):
 @pytest.mark.parametrize("tokens, one_stage", [(80, True), (81, False)])
 def test_call_contract_stage_choice(rocm_env, tokens, one_stage):
     fake = rocm_env("gfx942", V_STAGE)
-    run_and_expect(ab.AiterBackend(), call(tokens=tokens, hidden=1024))
+    run_and_expect(AiterBackend(), call(tokens=tokens, hidden=1024))
     name, args, kwargs = fake.calls[-1]
     assert name == "custom_fused_ar_rms" and len(args) == 4 and kwargs == {"use_1stage": one_stage}
 
 
 def test_call_contract_main(rocm_env):
     fake = rocm_env("gfx950", V_MAIN)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     run_and_expect(backend, call(quant_form="fp8_group", emit_norm=True))
     run_and_expect(backend, call(quant_form="fp8_group", emit_norm=False))
     run_and_expect(backend, call(quant_form="fp8_dynamic", emit_norm=False, tokens=200))
@@ -465,7 +466,7 @@ def test_three_dimensional_input_is_flattened(rocm_env):
     fake = rocm_env("gfx950", V_MAIN)
     c = call(tokens=6)
     x, residual, weight, eps, _ = inputs(c)
-    outs = ab.AiterBackend().run(c, x.reshape(2, 3, -1), residual.reshape(2, 3, -1), weight, eps, None)
+    outs = AiterBackend().run(c, x.reshape(2, 3, -1), residual.reshape(2, 3, -1), weight, eps, None)
     assert [o.shape for o in outs] == [torch.Size([6, c.hidden])] * 2
     assert fake.calls[-1][1][0].shape == (6, c.hidden)
 
@@ -476,7 +477,7 @@ def test_three_dimensional_input_is_flattened(rocm_env):
 @pytest.mark.parametrize("mode", ["none", "raise"])
 def test_quant_kernel_unavailable_falls_back_to_norm_kernel_then_quant(rocm_env, caplog, mode):
     fake = rocm_env("gfx950", V_MAIN, behaviour={"custom_fused_ar_rms_per_group_quant": mode})
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     with caplog.at_level(logging.INFO, logger="arfusion"):
         for _ in range(2):
             run_and_expect(backend, call(quant_form="fp8_group", emit_norm=True))
@@ -489,7 +490,7 @@ def test_quant_kernel_unavailable_falls_back_to_norm_kernel_then_quant(rocm_env,
 @pytest.mark.parametrize("mode", ["none", "raise"])
 def test_norm_kernel_unavailable_falls_back_to_unfused(rocm_env, mode):
     fake = rocm_env("gfx942", V_MAIN, behaviour={"custom_fused_ar_rms": mode})
-    run_and_expect(ab.AiterBackend(), call(quant_form="fp8_group", emit_norm=True))
+    run_and_expect(AiterBackend(), call(quant_form="fp8_group", emit_norm=True))
     assert fake.names()[1:] == ["custom_fused_ar_rms", "custom_all_reduce"]
 
 
@@ -499,7 +500,7 @@ def test_every_kernel_unavailable_ends_at_the_reference(rocm_env, monkeypatch):
     torch_all_reduces = []
     monkeypatch.setattr(reference, "all_reduce_sum",
                         lambda x, group: torch_all_reduces.append(group) or fake.reduce(x))
-    run_and_expect(ab.AiterBackend(), call(quant_form="fp8_dynamic", emit_norm=False))
+    run_and_expect(AiterBackend(), call(quant_form="fp8_dynamic", emit_norm=False))
     assert fake.names()[1:] == ["custom_fused_ar_rms_quant", "custom_fused_ar_rms", "custom_all_reduce"]
     assert torch_all_reduces == [GROUP, GROUP]  # the backend's fallback, then the expectation
 
@@ -509,25 +510,25 @@ def test_reference_errors_propagate(rocm_env, monkeypatch):
     monkeypatch.setattr(quant, "quantize", lambda n, f, s: (_ for _ in ()).throw(NotImplementedError("q")))
     c = call(quant_form="fp8_static", emit_norm=False)
     with pytest.raises(NotImplementedError):
-        ab.AiterBackend().run(c, *inputs(c))
+        AiterBackend().run(c, *inputs(c))
 
 
 def test_plain_all_reduce_raising_uses_torch(rocm_env):
     fake = rocm_env("gfx942", V017, behaviour={"custom_fused_ar_rms": "none", "custom_all_reduce": "raise"})
-    run_and_expect(ab.AiterBackend(), call())
+    run_and_expect(AiterBackend(), call())
     assert fake.names()[1:] == ["custom_fused_ar_rms", "custom_all_reduce"]
 
 
 def test_env_opt_out_at_run_time(rocm_env, monkeypatch):
     fake = rocm_env("gfx950", V_MAIN)
-    monkeypatch.setenv(ab.DISABLE_QUANT_ENV, "1")
-    run_and_expect(ab.AiterBackend(), call(quant_form="fp8_group", emit_norm=False))
+    monkeypatch.setenv(limits.DISABLE_QUANT_ENV, "1")
+    run_and_expect(AiterBackend(), call(quant_form="fp8_group", emit_norm=False))
     assert fake.names()[1:] == ["custom_fused_ar_rms"]
 
 
 def test_failed_set_up_runs_unfused_and_is_not_retried(rocm_env):
     fake = rocm_env("gfx950", V_MAIN, ctor_raises=True)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     assert "set-up failed: AssertionError" in backend.prepare(call())
     run_and_expect(backend, call())
     run_and_expect(backend, call(tokens=7))
@@ -536,7 +537,7 @@ def test_failed_set_up_runs_unfused_and_is_not_retried(rocm_env):
 
 def test_disabled_communicator_runs_unfused(rocm_env):
     fake = rocm_env("gfx950", V_MAIN, disabled=True)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     assert "disabled its custom all-reduce" in backend.prepare(call())
     run_and_expect(backend, call())
     run_and_expect(backend, call())
@@ -545,7 +546,7 @@ def test_disabled_communicator_runs_unfused(rocm_env):
 
 def test_no_set_up_during_graph_capture(rocm_env, monkeypatch):
     fake = rocm_env("gfx950", V_MAIN)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     monkeypatch.setattr(runtime, "capturing", lambda: True)
     assert "CUDA graph capture" in backend.prepare(call())
     run_and_expect(backend, call())
@@ -558,7 +559,7 @@ def test_no_set_up_during_graph_capture(rocm_env, monkeypatch):
 
 def test_one_communicator_per_group(rocm_env):
     fake = rocm_env("gfx950", V_MAIN)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     run_and_expect(backend, call())
     run_and_expect(backend, call(tokens=9))
     other = Call(**{**call().__dict__, "group_name": "tp1"})
@@ -574,9 +575,9 @@ def test_a_recreated_group_gets_a_new_communicator(rocm_env, monkeypatch):
     fix: one __init__, the new group reduced through the old group's communicator."""
     fake = rocm_env("gfx950", V_MAIN)
     live = {GROUP: object()}  # what torch's registry resolves the name to
-    monkeypatch.setattr(ab, "_resolve_group", lambda name: live[name])
-    monkeypatch.setattr(ab, "gloo_twin", lambda group: ("gloo", group))
-    backend = ab.AiterBackend()
+    monkeypatch.setattr(communicator, "resolve", lambda name: live[name])
+    monkeypatch.setattr(communicator, "gloo_twin", lambda group: ("gloo", group))
+    backend = AiterBackend()
     run_and_expect(backend, call())
     run_and_expect(backend, call(tokens=9))
     first = live[GROUP]
@@ -605,10 +606,10 @@ def test_gloo_twin_reuses_gloo_and_creates_one_per_rank_set(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group: backends[group])
     monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: ranks[group])
     monkeypatch.setattr(torch.distributed, "new_group", new_group)
-    assert ab.gloo_twin("g") == "g"
-    assert ab.gloo_twin("n1") == ab.gloo_twin("n2") == "gloo1"
+    assert communicator.gloo_twin("g") == "g"
+    assert communicator.gloo_twin("n1") == communicator.gloo_twin("n2") == "gloo1"
     assert created == [([0, 1], {"backend": "gloo", "use_local_synchronization": True})]
     # destroy_process_group takes the twin with it: the next set-up on those ranks makes a new one
     # (before, the destroyed twin was handed out again and aiter's handle exchange failed on it).
     del ranks["gloo1"]
-    assert ab.gloo_twin("n1") == "gloo2" and len(created) == 2
+    assert communicator.gloo_twin("n1") == "gloo2" and len(created) == 2

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import gc
-import json
 import logging
 import sys
 
@@ -21,7 +20,8 @@ import torch.distributed as dist
 
 import arfusion.ops
 from arfusion import reference, runtime
-from arfusion.backends import aiter as ab
+from arfusion.backends.aiter import AiterBackend, communicator, detection, limits, quick_reduce
+from arfusion.backends.aiter import backend as aiter_backend
 from arfusion.core import Call
 
 from .fake_aiter import QR_DEFAULT_MAX, V017, V_MAIN, V_STAGE, FakeAiter
@@ -35,15 +35,15 @@ GLOO = f"gloo:pg:{GROUP}"
 
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch):
-    for name in (ab.QUICK_REDUCE_CAST_ENV, ab.QUICK_REDUCE_MAX_SIZE_ENV):
+    for name in (limits.QUICK_REDUCE_CAST_ENV, limits.QUICK_REDUCE_MAX_SIZE_ENV):
         monkeypatch.delenv(name, raising=False)
-    ab.detect.cache_clear()
-    ab.quick_reduce_api.cache_clear()
-    ab._gloo_groups.clear()
+    detection.detect.cache_clear()
+    quick_reduce.quick_reduce_api.cache_clear()
+    communicator._gloo_groups.clear()
     arfusion.runtime._logged.clear()
     yield
-    ab.detect.cache_clear()
-    ab.quick_reduce_api.cache_clear()
+    detection.detect.cache_clear()
+    quick_reduce.quick_reduce_api.cache_clear()
 
 
 @pytest.fixture
@@ -56,12 +56,12 @@ def qr_env(monkeypatch):
 
     def setup(version=V_MAIN, arch="gfx942", world_size=2, peer_ok=True, peer_host=None,
               peer_agree=(True, True), **fake_kwargs):
-        fake = FakeAiter(version=version, world_size=world_size, fp8=ab.LIMITS.fp8_dtypes[arch], **fake_kwargs)
+        fake = FakeAiter(version=version, world_size=world_size, fp8=limits.LIMITS.fp8_dtypes[arch], **fake_kwargs)
         simulate_rocm(monkeypatch, arch, fake)
-        monkeypatch.setattr(ab, "_resolve_group", lambda name: f"pg:{name}")
-        monkeypatch.setattr(ab, "gloo_twin", lambda group: f"gloo:{group}")
+        monkeypatch.setattr(communicator, "resolve", lambda name: f"pg:{name}")
+        monkeypatch.setattr(communicator, "gloo_twin", lambda group: f"gloo:{group}")
         monkeypatch.setattr(runtime, "capturing", lambda: False)
-        monkeypatch.setattr(ab, "_rank_and_size", lambda group: fake.calls.append(("rank_and_size", (group,), {}))
+        monkeypatch.setattr(quick_reduce, "_rank_and_size", lambda group: fake.calls.append(("rank_and_size", (group,), {}))
                             or (0, world_size))
         agreements = list(peer_agree)
 
@@ -74,8 +74,8 @@ def qr_env(monkeypatch):
             fake.calls.append(("agree", (ok, group), {}))
             return ok and (agreements.pop(0) if agreements else True)
 
-        monkeypatch.setattr(ab, "_gather_ints", gather)
-        monkeypatch.setattr(ab, "_all_agree", agree)
+        monkeypatch.setattr(quick_reduce, "_gather_ints", gather)
+        monkeypatch.setattr(quick_reduce, "_all_agree", agree)
         monkeypatch.setattr(dist, "all_gather_object", fake.simulated_all_gather_object)
         monkeypatch.setattr(reference, "all_reduce_sum", lambda x, group: fake.reduce(x))
         return fake
@@ -100,7 +100,7 @@ def sized(nbytes: int, dtype=BF16, world_size=2, hidden=4096) -> Call:
 @pytest.mark.parametrize("version", [V017, V_MAIN])
 def test_levels_are_read_from_the_installed_enum(qr_env, version):
     qr_env(version)
-    api = ab.quick_reduce_api()
+    api = quick_reduce.quick_reduce_api()
     assert api.levels == {"fp8": 1, "int6": 2, "int4": 3}
     assert api.exchange == {V017: "tensors", V_MAIN: "helper"}[version]
 
@@ -108,21 +108,21 @@ def test_levels_are_read_from_the_installed_enum(qr_env, version):
 def test_levels_follow_the_enum_by_name_not_by_number(qr_env, monkeypatch):
     qr_env(V_MAIN)
     shuffled = enum.Enum("QuickReduceRegime", {"FP": 0, "INT4": 1, "INT6": 7, "FP8": 5, "NONE": 9})
-    monkeypatch.setattr(sys.modules[ab.QUICK_REDUCE_MODULE], "QuickReduceRegime", shuffled)
-    assert ab.quick_reduce_api().levels == {"fp8": 5, "int6": 7, "int4": 1}
+    monkeypatch.setattr(sys.modules[limits.QUICK_REDUCE_MODULE], "QuickReduceRegime", shuffled)
+    assert quick_reduce.quick_reduce_api().levels == {"fp8": 5, "int6": 7, "int4": 1}
 
 
 def test_a_level_missing_from_the_enum_is_declined(qr_env, monkeypatch):
     qr_env(V017)
-    monkeypatch.setattr(sys.modules[ab.QUICK_REDUCE_MODULE], "QuickReduceRegime",
+    monkeypatch.setattr(sys.modules[limits.QUICK_REDUCE_MODULE], "QuickReduceRegime",
                         enum.Enum("QuickReduceRegime", {"FP": 0, "FP8": 1, "INT4": 3, "NONE": 4}))
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     assert "no INT6 member" in backend.quantized_why_not(sized(64 * MIB), "int6")
     assert backend.quantized_why_not(sized(64 * MIB), "int4") is None
 
 
 def test_int8_is_declined_with_the_reason():
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     assert backend.capabilities.quantized_levels == frozenset({"fp8", "int6", "int4"})
     reason = backend.quantized_why_not(sized(64 * MIB), "int8")  # before any ROCm check
     assert "no int8 codec" in reason and "level 1 is FP8" in reason and "'int4'" in reason
@@ -130,12 +130,12 @@ def test_int8_is_declined_with_the_reason():
 
 def test_an_aiter_without_quick_reduce_is_declined(qr_env):
     qr_env(V_STAGE)  # the fake gives this version no quick all-reduce
-    assert "this aiter has no quick all-reduce (init_custom_qr" in ab.AiterBackend().quantized_why_not(
+    assert "this aiter has no quick all-reduce (init_custom_qr" in AiterBackend().quantized_why_not(
         sized(64 * MIB), "int4")
 
 
 def test_not_rocm_is_declined():
-    reason = ab.AiterBackend().quantized_why_not(sized(64 * MIB), "fp8")
+    reason = AiterBackend().quantized_why_not(sized(64 * MIB), "fp8")
     assert "ROCm" in reason
 
 
@@ -156,10 +156,10 @@ CASES = [(dtype, cast, world, level)
 def test_crossover_is_aiters_threshold_inclusive(qr_env, monkeypatch, dtype, cast, world, level):
     qr_env(V_MAIN, world_size=world)
     if cast is not None:
-        monkeypatch.setenv(ab.QUICK_REDUCE_CAST_ENV, cast)
+        monkeypatch.setenv(limits.QUICK_REDUCE_CAST_ENV, cast)
     kernel = FP16 if dtype == FP16 or cast != "0" else BF16
     floor = AITER_MIN_MIB[(kernel, world)][("fp8", "int6", "int4").index(level)] * MIB
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     at, below = sized(floor, dtype, world), sized(floor - 8192, dtype, world)
     assert backend.quantized_why_not(at, level) is None
     reason = backend.quantized_why_not(below, level)
@@ -172,7 +172,7 @@ def test_crossover_is_aiters_threshold_inclusive(qr_env, monkeypatch, dtype, cas
 
 def test_user_threshold_overrides_aiters(qr_env):
     qr_env(V_MAIN)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     assert backend.quantized_why_not(sized(MIB // 2), "int4") is not None
     assert backend.quantized_why_not(sized(MIB // 2), "int4", min_bytes_override=MIB // 2) is None
     assert "quantized_allreduce_min_mb" in backend.quantized_why_not(sized(MIB // 4), "int4", MIB // 2)
@@ -184,20 +184,20 @@ def test_user_threshold_overrides_aiters(qr_env):
 @pytest.mark.parametrize("world", [1, 3, 6, 16])
 def test_world_sizes_other_than_2_4_8_are_declined(qr_env, world):
     qr_env(V_MAIN)
-    reason = ab.AiterBackend().quantized_why_not(sized(64 * MIB, world_size=world), "int4", 0)
+    reason = AiterBackend().quantized_why_not(sized(64 * MIB, world_size=world), "int4", 0)
     assert f"not {world}" in reason and "[2, 4, 8]" in reason
 
 
 def test_float32_is_declined(qr_env):
     qr_env(V_MAIN)
-    assert "float16 or bfloat16" in ab.AiterBackend().quantized_why_not(sized(64 * MIB, torch.float32), "fp8", 0)
+    assert "float16 or bfloat16" in AiterBackend().quantized_why_not(sized(64 * MIB, torch.float32), "fp8", 0)
 
 
 @pytest.mark.parametrize("tokens, ok", [(3, False), (4, True), (5, False), (6, True), (0, False)])
 def test_bytes_must_be_a_multiple_of_16(qr_env, tokens, ok):
     qr_env(V_MAIN)
     c = call(tokens=tokens, hidden=4, dtype=FP16)  # 8 bytes a token
-    reason = ab.AiterBackend().quantized_why_not(c, "int4", min_bytes_override=0)
+    reason = AiterBackend().quantized_why_not(c, "int4", min_bytes_override=0)
     assert (reason is None) == ok, reason
     if not ok:
         assert "no tokens" in reason if tokens == 0 else "multiple of 16" in reason
@@ -205,12 +205,12 @@ def test_bytes_must_be_a_multiple_of_16(qr_env, tokens, ok):
 
 def test_largest_message_default_and_from_aiters_env(qr_env, monkeypatch):
     qr_env(V_MAIN, world_size=2)
-    assert ab.LIMITS.quick_reduce_default_max_bytes == QR_DEFAULT_MAX == 2048 * MIB  # aiter's qr_max_size()
-    backend = ab.AiterBackend()
+    assert limits.LIMITS.quick_reduce_default_max_bytes == QR_DEFAULT_MAX == 2048 * MIB  # aiter's qr_max_size()
+    backend = AiterBackend()
     at_max = sized(2048 * MIB, FP16)
     assert backend.quantized_why_not(at_max, "int4") is None  # inclusive, as aiter's `<=`
     assert "quick all-reduce buffer" in backend.quantized_why_not(sized(2048 * MIB + 8192, FP16), "int4")
-    monkeypatch.setenv(ab.QUICK_REDUCE_MAX_SIZE_ENV, "256")
+    monkeypatch.setenv(limits.QUICK_REDUCE_MAX_SIZE_ENV, "256")
     assert backend.quantized_why_not(sized(256 * MIB, FP16), "int4") is None
     assert f"> {256 * MIB}" in backend.quantized_why_not(sized(256 * MIB + 8192, FP16), "int4")
 
@@ -218,9 +218,9 @@ def test_largest_message_default_and_from_aiters_env(qr_env, monkeypatch):
 @pytest.mark.parametrize("name, value", [("CAST", "yes"), ("MAX_SIZE", "1.5")])
 def test_unreadable_aiter_env_is_declined(qr_env, monkeypatch, name, value):
     qr_env(V_MAIN)
-    env = {"CAST": ab.QUICK_REDUCE_CAST_ENV, "MAX_SIZE": ab.QUICK_REDUCE_MAX_SIZE_ENV}[name]
+    env = {"CAST": limits.QUICK_REDUCE_CAST_ENV, "MAX_SIZE": limits.QUICK_REDUCE_MAX_SIZE_ENV}[name]
     monkeypatch.setenv(env, value)
-    reason = ab.AiterBackend().quantized_why_not(sized(64 * MIB), "int4")
+    reason = AiterBackend().quantized_why_not(sized(64 * MIB), "int4")
     assert env in reason and "not an integer" in reason
 
 
@@ -232,8 +232,8 @@ def test_a_recreated_group_sets_up_again(qr_env, monkeypatch):
     all-reduce: the old one's buffers hold the old peers' handles. Failed before the fix."""
     fake = qr_env(V_MAIN)
     live = {"tp0": object()}
-    monkeypatch.setattr(ab, "_resolve_group", lambda name: live[name])
-    backend = ab.AiterBackend()
+    monkeypatch.setattr(communicator, "resolve", lambda name: live[name])
+    backend = AiterBackend()
     c = sized(64 * MIB)
     assert backend.prepare_quantized(c, "fp8") is None
     assert backend.prepare_quantized(c, "fp8") is None
@@ -247,7 +247,7 @@ def test_a_recreated_group_sets_up_again(qr_env, monkeypatch):
 @pytest.mark.parametrize("version", [V017, V_MAIN])
 def test_set_up_once_per_group_with_the_versions_handle_exchange(qr_env, version):
     fake = qr_env(version, world_size=4)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     c = sized(64 * MIB, world_size=4)
     assert backend.prepare_quantized(c, "int4") is None
     assert backend.prepare_quantized(c, "fp8") is None  # one communicator serves every level
@@ -282,8 +282,8 @@ def test_set_up_once_per_group_with_the_versions_handle_exchange(qr_env, version
 
 def test_max_size_from_aiters_env_goes_to_init(qr_env, monkeypatch):
     fake = qr_env(V017)
-    monkeypatch.setenv(ab.QUICK_REDUCE_MAX_SIZE_ENV, "512")
-    assert ab.AiterBackend().prepare_quantized(sized(64 * MIB), "int4") is None
+    monkeypatch.setenv(limits.QUICK_REDUCE_MAX_SIZE_ENV, "512")
+    assert AiterBackend().prepare_quantized(sized(64 * MIB), "int4") is None
     assert fake.calls[fake.names().index("init_custom_qr")][1] == (0, 2, 512 * MIB)
 
 
@@ -304,7 +304,7 @@ FAILURES = [
 @pytest.mark.parametrize("setup, reason, fate", FAILURES)
 def test_failed_set_up_declines_every_later_call_without_retry(qr_env, caplog, version, setup, reason, fate):
     fake = qr_env(version, **setup)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     c = sized(64 * MIB)
     with caplog.at_level(logging.INFO, logger="arfusion"):
         first = backend.prepare_quantized(c, "int4")
@@ -326,7 +326,7 @@ def test_failed_set_up_declines_every_later_call_without_retry(qr_env, caplog, v
 
 def test_no_set_up_during_graph_capture(qr_env, monkeypatch):
     fake = qr_env(V_MAIN)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     monkeypatch.setattr(runtime, "capturing", lambda: True)
     assert "never set up during CUDA-graph capture" in backend.prepare_quantized(sized(64 * MIB), "int4")
     assert fake.calls == []
@@ -340,15 +340,15 @@ def test_no_set_up_during_graph_capture(qr_env, monkeypatch):
 def test_set_up_runs_outside_graph_pools(qr_env, monkeypatch):
     qr_env(V_MAIN)
     seen = []
-    monkeypatch.setattr(ab, "outside_graph_pools", lambda device, create: seen.append(device) or create())
-    assert ab.AiterBackend().prepare_quantized(sized(64 * MIB), "int4") is None
+    monkeypatch.setattr(aiter_backend, "outside_graph_pools", lambda device, create: seen.append(device) or create())
+    assert AiterBackend().prepare_quantized(sized(64 * MIB), "int4") is None
     assert seen == [CUDA]
 
 
 @pytest.mark.parametrize("version", [V017, V_MAIN])
 def test_close_destroys_each_quick_reduce_once(qr_env, version):
     fake = qr_env(version)
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     c = sized(64 * MIB)
     backend.prepare_quantized(c, "int4")
     backend.prepare_quantized(Call(**{**c.__dict__, "group_name": "tp1"}), "int4")
@@ -370,8 +370,8 @@ def test_close_destroys_each_quick_reduce_once(qr_env, version):
 def test_op_calls_qr_all_reduce_in_aiters_argument_order(qr_env, monkeypatch, version, dtype, cast, level, code):
     fake = qr_env(version)
     if cast is not None:
-        monkeypatch.setenv(ab.QUICK_REDUCE_CAST_ENV, cast)
-    backend = ab.AiterBackend()
+        monkeypatch.setenv(limits.QUICK_REDUCE_CAST_ENV, cast)
+    backend = AiterBackend()
     c = call(tokens=8, hidden=1024, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, 1024, generator=g).to(dtype)
@@ -397,7 +397,7 @@ def test_op_below_the_crossover_takes_the_exact_path_without_set_up(qr_env, capl
     c = call(tokens=8, hidden=1024)
     x = torch.randn(8, 1024).to(BF16)
     with caplog.at_level(logging.INFO, logger="arfusion"):
-        outs = arfusion.execution.quantized_or_none(ab.AiterBackend(), c, x, None, torch.ones(1024, dtype=BF16), 1e-6,
+        outs = arfusion.execution.quantized_or_none(AiterBackend(), c, x, None, torch.ones(1024, dtype=BF16), 1e-6,
                                               None, "int4", -1)
     assert outs is None and fake.calls == []
     assert any("exact all-reduce, not int4" in r.getMessage() and "_QR_MIN_SIZE" in r.getMessage()
@@ -406,7 +406,7 @@ def test_op_below_the_crossover_takes_the_exact_path_without_set_up(qr_env, capl
 
 def test_op_after_a_failed_set_up_takes_the_exact_path(qr_env):
     fake = qr_env(V017, behaviour={"init_custom_qr": "raise"})
-    backend = ab.AiterBackend()
+    backend = AiterBackend()
     c = call(tokens=8, hidden=1024)
     x = torch.randn(8, 1024).to(BF16)
     for _ in range(2):
@@ -420,8 +420,6 @@ def test_op_after_a_failed_set_up_takes_the_exact_path(qr_env):
 
 def _two_ranks(rank):
     """Each scenario on 2 gloo ranks (real collectives), the fake aiter in each process."""
-    import arfusion.backends.aiter as ab_
-
     out = {}
     scenarios = {
         "ok_017": (V017, {}), "ok_main": (V_MAIN, {}),
@@ -436,9 +434,9 @@ def _two_ranks(rank):
                          behaviour={} if isinstance(mine, str) else mine)
         with pytest.MonkeyPatch.context() as mp:
             simulate_rocm(mp, "gfx942", fake)
-            ab_.detect.cache_clear()
-            ab_.quick_reduce_api.cache_clear()
-            backend = ab_.AiterBackend()
+            detection.detect.cache_clear()
+            quick_reduce.quick_reduce_api.cache_clear()
+            backend = AiterBackend()
             c = Call(**{**sized(8 * MIB, FP16).__dict__, "group_name": group_name})
             first = backend.prepare_quantized(c, "int4")
             second = backend.prepare_quantized(c, "int4")
@@ -450,8 +448,8 @@ def _two_ranks(rank):
             out[name] = {"first": first, "second": second, "calls": qr_names(fake), "result": result,
                          "destroyed": [v["destroyed"] for v in fake.qr_comms.values()],
                          "violations": fake.violations}
-            ab_.detect.cache_clear()
-            ab_.quick_reduce_api.cache_clear()
+            detection.detect.cache_clear()
+            quick_reduce.quick_reduce_api.cache_clear()
         # The fake's call log holds the process group, and the fake is in reference cycles (its
         # classes): collected now, or the group may outlive destroy_process_group and its gloo
         # threads abort the process at exit (seen about once in 25 runs before this).
