@@ -1,0 +1,169 @@
+"""The fast path for all-reduces that are not sites (`arfusion::all_reduce`): which all-reduces take
+it, the caps, dynamic sizes, the NCCL fallback, and LayerNorm and hyper-connection models against
+eager on two gloo ranks. The torch backend stands in for a GPU backend (it takes every size);
+FlashInfer's and aiter's own decisions are tested in their backend tests."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import arfusion
+from arfusion import execution
+from arfusion.fusion_pass import ArFusionPass, ChainedPass
+from arfusion.stats import decisions
+
+from .models import RowParallelThenNorm, unfused_all_reduces
+from .test_numerics_gloo import collect_from_ranks
+
+HIDDEN = 64
+FAST = torch.ops.arfusion.all_reduce.default
+FUNCTIONAL = torch.ops._c10d_functional.all_reduce.default
+
+
+class LayerNormBlock(RowParallelThenNorm):
+    """o_proj -> all_reduce -> + residual -> LayerNorm (Cohere, StarCoder2, GPT-NeoX, Phi)."""
+
+    def __init__(self, hidden, dtype=torch.bfloat16):
+        super().__init__(hidden, dtype=dtype)
+        self.ln = nn.LayerNorm(hidden, dtype=dtype)
+
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = residual + y
+        return self.ln(h), h
+
+
+class HyperConnections(nn.Module):
+    """DeepSeek-V4's hyper-connection post-mix: the all-reduced sublayer output spread over `k`
+    residual streams with per-token weights, a per-token mix of the streams, then an RMSNorm."""
+
+    def __init__(self, hidden, k=4, dtype=torch.bfloat16):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.post = nn.Linear(hidden, k, bias=False, dtype=dtype)
+        self.norm = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+
+    def forward(self, x, streams):  # x [B, S, H], streams [B, S, k, H]
+        y = self.proj(x)
+        dist.all_reduce(y)
+        post = torch.sigmoid(self.post(x)).unsqueeze(-1)  # [B, S, k, 1]
+        mixed = streams + post * y.unsqueeze(-2)
+        return self.norm(mixed.sum(-2)), mixed
+
+
+def inputs(dtype=torch.bfloat16, tokens=8, streams=None):
+    x = torch.randn(2, tokens, HIDDEN, dtype=dtype)
+    other = torch.randn(2, tokens, *((streams,) if streams else ()), HIDDEN, dtype=dtype)
+    return x, other
+
+
+def compile_and_count(module, *args, dynamic=False, **config):
+    """(fast-path ops, functional all-reduces, fused ops) in the compiled graph, and the stats."""
+    seen = {}
+
+    def inspect(graph):
+        seen.update(fast=sum(n.target is FAST for n in graph.nodes),
+                    functional=sum(n.target is FUNCTIONAL for n in graph.nodes),
+                    fused=sum(n.target is torch.ops.arfusion.fused_allreduce_rmsnorm.default for n in graph.nodes),
+                    left=unfused_all_reduces(graph))
+
+    cfg = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch", **config)
+    with torch.no_grad():
+        torch.compile(module, options={"post_grad_custom_post_pass": ChainedPass([ArFusionPass(cfg), inspect])},
+                      dynamic=dynamic)(*args)
+    return seen, arfusion.stats()
+
+
+@pytest.mark.parametrize("model, streams", [(LayerNormBlock, None), (HyperConnections, 4)])
+def test_all_reduces_that_are_not_sites_go_on_the_fast_path(fake_pg, model, streams):
+    seen, stats = compile_and_count(model(HIDDEN), *inputs(streams=streams))
+    assert seen == {"fast": 1, "functional": 0, "fused": 0, "left": 1}
+    assert stats["fast_path_all_reduces"] == 1 and stats["fused_sites"] == 0 and stats["unfused_sites"] == 1
+    (decision,) = decisions()
+    assert decision["outcome"] == "fast_path" and decision["detail"].startswith("torch; not fused: ")
+
+
+def test_a_site_still_fuses_and_takes_no_fast_path(fake_pg):
+    seen, stats = compile_and_count(RowParallelThenNorm(HIDDEN), *inputs())
+    assert seen == {"fast": 0, "functional": 0, "fused": 1, "left": 0} and stats["fast_path_all_reduces"] == 0
+
+
+def test_opting_out_and_the_cap_leave_nccl(fake_pg, caplog):
+    seen, _ = compile_and_count(LayerNormBlock(HIDDEN), *inputs(), fast_all_reduce=False)
+    assert seen["fast"] == 0 and seen["functional"] == 1
+    torch._dynamo.reset()
+    arfusion.reset_stats()
+    nbytes = 2 * 8 * HIDDEN * 2
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        seen, stats = compile_and_count(LayerNormBlock(HIDDEN), *inputs(), plain_max_size_mb={2: (nbytes - 1) / 2**20})
+    assert seen["fast"] == 0 and seen["functional"] == 1 and stats["fast_path_all_reduces"] == 0
+    (decision,) = decisions()
+    assert decision["outcome"] == "nccl" and f"{nbytes} bytes per rank > cap" in decision["detail"]
+    assert "not on the fast path either" in caplog.text
+    torch._dynamo.reset()
+    seen, _ = compile_and_count(LayerNormBlock(HIDDEN), *inputs(), plain_max_size_mb={2: nbytes / 2**20})
+    assert seen["fast"] == 1  # the cap is inclusive
+
+
+def test_dynamic_sizes_are_decided_per_call(fake_pg):
+    seen, _ = compile_and_count(LayerNormBlock(HIDDEN), *inputs(), dynamic=True, plain_max_size_mb={2: 1})
+    assert seen["fast"] == 1  # symbolic tokens: the op decides at run time
+
+
+class _Declines:
+    """A backend whose fast path declines every call at run time."""
+
+    name = "declining"
+
+    def plain_why_not(self, call, max_bytes_override=None):
+        return "declined for the test"
+
+
+def test_a_call_the_backend_declines_at_run_time_still_sums(world_of_one, monkeypatch):
+    x = torch.randn(3, 5, 16)
+    monkeypatch.setattr(execution, "resolve", lambda backend, device: (_Declines(), ""))
+    got = torch.ops.arfusion.all_reduce(x, world_of_one, "torch", -1)
+    assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()  # a world of one: the sum is x
+    assert arfusion.stats()["dispatch"] == {"all-reduce": 1}  # CPU: the functional all-reduce
+    monkeypatch.setattr(execution, "current_stream_pays", lambda device: True)  # as on a GPU
+    got = torch.ops.arfusion.all_reduce(x.transpose(0, 1), world_of_one, "torch", -1)
+    assert torch.equal(got, x.transpose(0, 1)) and got.is_contiguous()
+    assert arfusion.stats()["dispatch"] == {"all-reduce": 1, "nccl all-reduce": 1}
+
+
+# ----------------------------------------------------------------- two gloo ranks against eager
+
+
+def _against_eager(rank, model_name):
+    torch.manual_seed(0)  # the same weights on both ranks: each rank's projection is its shard
+    model = {"layernorm": LayerNormBlock, "hyper": HyperConnections}[model_name](HIDDEN)
+    torch.manual_seed(1 + rank)
+    args = inputs(streams=4 if model_name == "hyper" else None)
+    if model_name == "hyper":
+        args = (args[0], args[1].clone())
+        dist.broadcast(args[1], src=0)  # the residual streams are replicated
+    else:
+        dist.broadcast(args[1], src=0)
+    arfusion.reset_stats()
+    with torch.no_grad():
+        want = model(*args)
+        cfg = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")
+        got = torch.compile(model, options=arfusion.inductor_options(cfg))(*args)
+    err = max(float((g.float() - w.float()).abs().max() / w.float().abs().max()) for g, w in zip(got, want))
+    return {"err": err, "fast": arfusion.stats()["fast_path_all_reduces"],
+            "dispatch": arfusion.stats()["dispatch"]}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("model_name", ["layernorm", "hyper"])
+def test_layernorm_and_hyper_connection_models_match_eager_on_two_ranks(tmp_path, model_name):
+    results = collect_from_ranks(functools.partial(_against_eager, model_name=model_name), 2, tmp_path)
+    for r in results:
+        assert r["err"] < 2e-2 and r["fast"] == 1 and r["dispatch"] == {"torch all-reduce": 1}, r
