@@ -169,3 +169,35 @@ def unfused_all_reduces(graph) -> int:
     pass put on the fast path (arfusion::all_reduce)."""
     left = (torch.ops._c10d_functional.all_reduce.default, torch.ops.arfusion.all_reduce.default)
     return sum(1 for n in graph.nodes if n.target in left)
+
+
+class LayerNormBlock(RowParallelThenNorm):
+    """o_proj -> all_reduce -> + residual -> LayerNorm (Cohere, StarCoder2, GPT-NeoX, Phi)."""
+
+    def __init__(self, hidden, dtype=torch.bfloat16):
+        super().__init__(hidden, dtype=dtype)
+        self.ln = nn.LayerNorm(hidden, dtype=dtype)
+
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = residual + y
+        return self.ln(h), h
+
+
+class HyperConnections(nn.Module):
+    """DeepSeek-V4's hyper-connection post-mix: the all-reduced sublayer output spread over `k`
+    residual streams with per-token weights, a per-token mix of the streams, then an RMSNorm."""
+
+    def __init__(self, hidden, k=4, dtype=torch.bfloat16):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.post = nn.Linear(hidden, k, bias=False, dtype=dtype)
+        self.norm = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+
+    def forward(self, x, streams):  # x [B, S, H], streams [B, S, k, H]
+        y = self.proj(x)
+        dist.all_reduce(y)
+        post = torch.sigmoid(self.post(x)).unsqueeze(-1)  # [B, S, k, 1]
+        mixed = streams + post * y.unsqueeze(-2)
+        return self.norm(mixed.sum(-2)), mixed

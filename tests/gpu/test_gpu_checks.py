@@ -134,3 +134,15 @@ def test_soak(mode, launch):
     assert report["backend"] == "flashinfer", report["backend"]
     for m in report["modes"]:
         assert m["calls"] > 0 and m["mismatches_all_ranks"] == 0, (m["mode"], m["mismatches_all_ranks"], m["worst"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fast_all_reduce(mode, launch):
+    """check_fast_all_reduce.py: a LayerNorm block and a DeepSeek-V4-shaped hyper-connection block,
+    every all-reduce on FlashInfer's plain one-shot kernel, eager and reduce-overhead, against
+    eager; an RMSNorm site with a 0-d GPU eps buffer fuses (fastar2 / fastar1shared)."""
+    done = launch(f"{GPU}/check_fast_all_reduce.py", *shared(mode), "--out", "{out}", nproc=2,
+                  env={"CHECK_HANG_S": "300"}, timeout=400)
+    assert done.returncode == 0, done.tail()
+    ranks = done.json("fast_all_reduce.json")
+    assert len(ranks) == 2 and not any(r["failures"] for r in ranks), [r["failures"] for r in ranks]
