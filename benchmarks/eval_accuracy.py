@@ -58,6 +58,7 @@ import arfusion
 from arfusion.hf import prepare_for_compile, tp_kwargs
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import rel_err_rows, save_json, top1_same  # noqa: E402
 from train_tiny_llama import encode_stream, heldout_split, read_texts, windows  # noqa: E402
 
 
@@ -113,11 +114,11 @@ class Accumulator:
         self.loss_sum += torch.nn.functional.cross_entropy(
             logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
         self.tokens += ids[:, 1:].numel()
-        rel = (logits - ref).norm(dim=-1) / ref.norm(dim=-1)
+        rel = rel_err_rows(logits, ref)
         self.rel_max = max(self.rel_max, rel.max().item())
         self.rel_sum += rel.sum().item()
         self.positions += rel.numel()
-        self.top1_same += (logits.argmax(-1) == ref.argmax(-1)).sum().item()
+        self.top1_same += top1_same(logits, ref).sum().item()
 
     def result(self) -> dict:
         loss = self.loss_sum / self.tokens
@@ -291,10 +292,8 @@ def main(argv=None):
     table = markdown(result)
     print(table, flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         stem = os.path.join(args.out, f"accuracy_{result['meta']['model_type']}_w{result['meta']['world']}")
-        with open(stem + ".json", "w") as f:
-            json.dump(result, f, indent=1)
+        save_json(stem + ".json", result)
         with open(stem + ".md", "w") as f:
             f.write(table + "\n")
         print(f"wrote {stem}.json, {stem}.md", flush=True)

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from common import rel_err_rows, top1_same
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,8 +66,8 @@ def main() -> None:
         for seed in range(1, args.seeds + 1):
             nudging["generator"] = torch.Generator().manual_seed(seed)
             logits = model(ids).logits.float()
-            rel = ((logits - reference).norm(dim=-1) / reference.norm(dim=-1))[0]
-            top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+            rel = rel_err_rows(logits, reference)[0]
+            top1 = top1_same(logits, reference).mean().item()
             print(f"fraction {args.fraction:.2e}, seed {seed}: logits rel L2 max {rel.max():.2e}, "
                   f"median {rel.median():.2e}; top-1 agreement {100 * top1:.1f}%", flush=True)
 
@@ -93,8 +95,8 @@ def single_rounding(model, ids) -> None:
         mode["single"] = True
         counts.update(differ=0, total=0)
         logits = model(ids).logits.float()
-    rel = ((logits - reference).norm(dim=-1) / reference.norm(dim=-1))[0]
-    top1 = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    rel = rel_err_rows(logits, reference)[0]
+    top1 = top1_same(logits, reference).mean().item()
     print(f"norm rounded once vs twice: {100 * counts['differ'] / counts['total']:.1f}% of norm outputs "
           f"differ; logits rel L2 max {rel.max():.2e}, median {rel.median():.2e}; "
           f"top-1 agreement {100 * top1:.1f}%", flush=True)

@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from common import save_json
+
 EOS = "<|endoftext|>"
 
 
@@ -235,8 +237,7 @@ def main(argv=None):
         "total_seconds": round(time.time() - t_start, 1), "history": history,
         "command": "python benchmarks/train_tiny_llama.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }
-    with open(os.path.join(args.out, "train_meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
+    save_json(os.path.join(args.out, "train_meta.json"), meta)
     print(json.dumps({k: v for k, v in meta.items() if k != "history"}), flush=True)
 
 

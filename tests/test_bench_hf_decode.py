@@ -1,14 +1,17 @@
-"""The end-to-end benchmark's --tiny mode, as CI runs it: torchrun, 2 processes, gloo on CPU.
+"""The end-to-end benchmark's --tiny mode, as CI runs it: torchrun, 2 processes, gloo on CPU;
+and its --fake-world mode (one process standing for rank 0 of TP=2).
 
 Timings on a shared 2-core CPU mean nothing; what is checked is that every phase runs, the pass
-fuses every site of the model in each graph it compiles (decode, prefill, generate's own), and
-the fused model's answers match the unfused one's.
+fuses every site of the model in each graph it compiles (decode, prefill, loop's, generate's own),
+the fused model's answers match the unfused one's, and loop and generate report the steady state
+per token (by difference of two lengths) and the fixed cost per call apart.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -17,16 +20,18 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hf_decode.py"
 LAYERS = 2
+LENGTHS = (12, 4)  # --tiny's default --lengths
 
 
-def run_tiny(out: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(BENCH),
-           "--tiny", "--layers", str(LAYERS), *args, "--strict", "--out", str(out), "--ckpt-dir", str(out),
-           "--cache-root", str(out)]
+def run_tiny(out: Path, *args: str, fake_world: bool = False) -> dict:
+    launch = ([sys.executable] if fake_world else
+              [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"])
+    cmd = [*launch, str(BENCH), "--tiny", "--layers", str(LAYERS), *(("--fake-world", "2") if fake_world else ()),
+           *args, "--strict", "--out", str(out), "--ckpt-dir", str(out), "--cache-root", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    path = out / "decode_llama_w2.json"
+    path = out / ("decode_llama_w2_fake2.json" if fake_world else "decode_llama_w2.json")
     return {"json": json.loads(path.read_text()), "path": path, "stdout": done.stdout}
 
 
@@ -82,9 +87,67 @@ def test_fused_answers_match_unfused(result):
     assert acc["summary"]["on_vs_fp32_max_rel_l2"] < 2 * acc["summary"]["off_vs_fp32_max_rel_l2"] + 1e-3
 
 
-def test_generate_compiles_a_graph_the_pass_fuses(result):
-    g = result["json"]["phases"]["generate"]
-    assert g["on"]["fused_sites"] == 2 * LAYERS + 1 and g["off"]["fused_sites"] == 0
+def test_generate_and_loop_compile_graphs_the_pass_fuses(result):
+    for kind in ("generate", "loop"):
+        g = result["json"]["phases"][kind]
+        assert g["on"]["fused_sites"] == 2 * LAYERS + 1 and g["off"]["fused_sites"] == 0, kind
+
+
+def assert_steady_state_by_difference(row: dict, lengths=LENGTHS):
+    """ms per token is the median over (long, short) pairs of their difference over the tokens
+    between them; the fixed cost per call is what the short call has left at that rate."""
+    long_n, short_n = lengths
+    assert row["lengths"] == [long_n, short_n] and row["method"] == "difference of two lengths"
+    longs, shorts = row["samples_ms"][str(long_n)], row["samples_ms"][str(short_n)]
+    assert len(longs) == len(shorts) >= 2
+    pairs = [(a - b) / (long_n - short_n) for a, b in zip(longs, shorts)]
+    assert row["ms_per_token"] == pytest.approx(statistics.median(pairs), abs=1e-3)
+    assert row["fixed_ms"] == pytest.approx(statistics.median(shorts) - short_n * row["ms_per_token"], abs=1e-2)
+    # The old method, kept beside it: the whole long call over its tokens.
+    assert row["naive_ms_per_token"] == pytest.approx(statistics.median(longs) / long_n, abs=1e-3)
+    assert str(long_n) in row["first_call_s"] and row["first_call_s"][str(long_n)] > 0
+    assert row["graphs_compiled"] >= 1 and "cudagraph_work" in row
+
+
+def test_loop_and_generate_report_steady_state_and_fixed_cost_apart(result):
+    phases = result["json"]["phases"]
+    for kind in ("loop", "generate"):
+        assert phases[kind]["lengths"] == list(LENGTHS)
+        for name in ("off", "on"):
+            assert_steady_state_by_difference(phases[kind][name])
+    assert "ms/token steady" in result["stdout"] and "fixed per call" in result["stdout"]
+
+
+def test_steady_state_separates_the_fixed_cost():
+    """A call costing 50 ms plus 10 ms per token: by difference 10 ms/token and 50 ms fixed, where
+    the whole call over its tokens says 10.35 (144 tokens) or 13.1 (16)."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from common import per_token_counts, steady_state
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    calls = {144: [50 + 10 * 144 + e for e in (0.0, 0.4, -0.2)], 16: [50 + 10 * 16 + e for e in (0.1, 0.0, 0.3)]}
+    s = steady_state(calls)
+    assert s["ms_per_token"] == pytest.approx(10, abs=0.01) and s["fixed_ms"] == pytest.approx(50, abs=1)
+    assert s["naive_ms_per_token"] == pytest.approx(1490.0 / 144, abs=1e-3)
+    counts = per_token_counts(144, {"graph_launches": 143, "kernels": 143 * 300 + 900}, 16,
+                              {"graph_launches": 15, "kernels": 15 * 300 + 900})
+    assert counts["graph_launches"] == {"per_token": 1.0, "per_call": -1.0}  # the prefill's token is eager
+    assert counts["kernels"] == {"per_token": 300.0, "per_call": 600.0}
+
+
+def test_fake_world_runs_the_tp_model_on_one_process(tmp_path):
+    """--fake-world 2: one process holds rank 0's shards (torch's fake process group), compiles
+    and fuses every site as a real rank does, and times loop and generate the same way."""
+    ran = run_tiny(tmp_path, "--phases", "generate", "loop", "--reps", "2", fake_world=True)
+    meta, phases = ran["json"]["meta"], ran["json"]["phases"]
+    assert meta["fake_world"] == 2 and meta["world"] == 2 and meta["backend"] == "torch"
+    assert meta["heads"] == 4 and "fake process group" in meta["fake_world_note"]
+    assert meta["command"].startswith("python benchmarks/bench_hf_decode.py")
+    for kind in ("generate", "loop"):
+        assert phases[kind]["on"]["fused_sites"] == 2 * LAYERS + 1, kind
+        for name in ("off", "on"):
+            assert_steady_state_by_difference(phases[kind][name])
 
 
 def test_plot(result, tmp_path):
