@@ -12,15 +12,16 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
+
+from . import tuning
+from .backends import flashinfer_dispatch as dispatch
+from .backends import get_backend
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _tune(args) -> int:
-    import torch.distributed as dist
-
-    from . import tuning
-
     if "RANK" not in os.environ:
         print("arfusion tune: run it under torchrun, one process per GPU, e.g.\n"
               "  torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096", file=sys.stderr)
@@ -39,12 +40,8 @@ def _tune(args) -> int:
                 print(f"\n{entry['gpu']}, world {entry['world_size']}, hidden {hidden}, {entry['dtype']}")
                 print(tuning.format_rows(entry))
         if dist.get_rank() == 0:
-            from .backends.flashinfer_dispatch import cache_path
-
-            print(f"stored in {args.cache or cache_path()}")
+            print(f"stored in {args.cache or dispatch.cache_path()}")
     finally:
-        from .backends import get_backend
-
         backend = get_backend("flashinfer")
         if not isinstance(backend, str):
             backend.close()
@@ -54,8 +51,6 @@ def _tune(args) -> int:
 
 
 def _table(args) -> int:
-    from .backends import flashinfer_dispatch as dispatch
-
     print("seed table (bytes per rank, inclusive):")
     print(f"{'SM':>4} {'world':>5} {'dtype':>9} {'fuse up to':>12} {'one-shot up to':>15}")
     for (sm, ws, dtype), lim in sorted(dispatch.SEED_TABLE.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]))):

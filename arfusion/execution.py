@@ -160,8 +160,8 @@ def run_moe_combine(rows, scale, index, top_k: int, scale_first: bool, residual,
         chosen, reason = None, "eps is a GPU tensor not read before this CUDA-graph capture"
     if chosen is not None:
         kernel_weight = weight if weight is not None else unit_weight(rows.device, rows.dtype, hidden)
-        call = Call(site=site, tokens=tokens, hidden=hidden, dtype=rows.dtype, weight_dtype=kernel_weight.dtype,
-                    world_size=group_size(group_name), device=rows.device, group_name=group_name)
+        call = Call.of_meta(site, (tokens, hidden), rows.dtype, kernel_weight.dtype, rows.device,
+                            group_size(group_name), group_name)
         override = None if max_bytes < 0 else max_bytes
         reason = (chosen.why_not(call, override) or chosen.moe_combine_why_not(call, top_k, rows.shape[0])
                   or _quantized_takes(chosen, call, quantized, quantized_min_bytes) or chosen.prepare(call, override)

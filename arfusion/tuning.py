@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from . import ops  # noqa: F401  (registers torch.ops.arfusion.*, called below)
 from . import reference
 from .backends import flashinfer_dispatch as dispatch
 from .backends import get_backend
@@ -247,8 +248,7 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     itemsize = torch.empty((), dtype=dtype).element_size()
     tokens = sorted({t for t in tokens if 1 <= t and t * hidden * itemsize <= dispatch.HARD_MAX_FUSED_BYTES})
     max_bytes = max(tokens) * hidden * itemsize
-    probe = Call(site=PLAIN_SITE, tokens=max(tokens), hidden=hidden, dtype=dtype, weight_dtype=dtype,
-                 world_size=world, device=device, group_name=group_name)
+    probe = Call.of_meta(PLAIN_SITE, (max(tokens), hidden), dtype, dtype, device, world, group_name)
     reason = backend.why_not(probe, max_bytes) or backend.prepare(probe, max_bytes)
     if reason:
         raise RuntimeError(f"arfusion tune: FlashInfer cannot run here: {reason}")
