@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096 [--dtype bf16] [--quantized fp8]
     arfusion table            # what dispatch would do, per table entry and tuned entry
+    arfusion check llama      # what the pass fuses in a HF model: CPU, one process (docs/check.md)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import tuning
+from . import check, tuning
 from .backends import flashinfer_dispatch as dispatch
 from .backends import get_backend
 
@@ -88,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     table = sub.add_parser("table", help="print the dispatch table and tuned entries")
     table.add_argument("--json", action="store_true", help="also dump the tuned entries")
     table.set_defaults(func=_table)
+    chk = sub.add_parser("check", help="what the pass fuses in a Hugging Face model (CPU, one process, no download)",
+                         description=check.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    chk.add_argument("model", help="a model type of transformers (its config class's defaults), or a local "
+                     "directory with a config.json")
+    chk.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks of the fake process group)")
+    chk.add_argument("--tokens", default="1,8", help="comma-separated token counts, one compile each")
+    chk.add_argument("--quant", choices=check.QUANTS, default=None,
+                     help="an FP8 activation quant after each norm, as FP8 checkpoints spell it")
+    chk.add_argument("--quiet", action="store_true", help="no progress bar")
+    chk.set_defaults(func=check.main)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,359 @@
+"""`arfusion check`: what the pass fuses in a Hugging Face model, on a CPU, in one process.
+
+    arfusion check llama                      # transformers' LlamaConfig defaults
+    arfusion check /path/to/model --tp 4      # a local directory with a config.json
+    arfusion check qwen3_moe --tokens 1,8 --quant fp8-dynamic
+
+Two decoder layers at the model's real widths (kept so that a model with several kinds of
+layer keeps two kinds), loaded with the model's tensor-parallel plan over a fake process group
+of `--tp` ranks (torch's fake backend: no peers, no GPU, graphs as on GPUs), compiled with the
+pass for each token count; one row per all-reduce and a one-line verdict. No weights are read
+or downloaded: parameters hold the means of transformers' init distributions (zeros for most;
+cheap at any width), and the pass judges every region on probe values of its own.
+
+Also what `benchmarks/hf_coverage.py` builds its models with: `architectures`, `keep_layers`,
+`load_tp_model`. transformers is imported inside the functions (`import arfusion` does not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .hf import prepare_for_compile, tp_kwargs
+from .testing import FusionReport, fake_world, fusion_report
+from .tuning import Progress
+
+LAYERS = 2
+TOKENS = (1, 8)
+
+
+class CheckError(Exception):
+    """Bad input: printed as one line, exit code 2."""
+
+
+# ----------------------------------------------------------------------------- which models
+def architectures() -> list[tuple[str, str | None]]:
+    """(model type, why it is skipped or None) for every causal-LM model type with a TP plan,
+    plus those with only an expert-parallel plan (a row saying so)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            config_cls = CONFIG_MAPPING[model_type]
+        except KeyError:
+            continue
+        if getattr(config_cls, "base_model_tp_plan", None):
+            out.append((model_type, None))
+        elif getattr(config_cls, "base_model_ep_plan", None):
+            out.append((model_type, "expert-parallel plan only (no base_model_tp_plan)"))
+    return out
+
+
+# ----------------------------------------------------------------------------- two layers
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer")
+# At most this many of the first layers dense, so that a MoE layer remains among 2.
+DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
+# Lists of layer indices (not one entry per layer).
+INDEX_LISTS = ("mlp_only_layers", "moe_layers", "ple_layer_ids")
+
+
+def per_layer_lists(d: dict, layers: int) -> dict[str, list]:
+    """The config entries that hold one value per layer (`layer_types`, `mlp_layer_types`, ...)."""
+    return {k: v for k, v in d.items()
+            if isinstance(v, list) and len(v) == layers and layers > 1 and k not in INDEX_LISTS
+            and k != "eos_token_id"}
+
+
+def chosen_layers(d: dict) -> list[int]:
+    """The layers a 2-layer cut keeps: layer 0 and the first whose kinds differ from it (else 1)."""
+    layers = d.get("num_hidden_layers") or d.get("num_layers") or d.get("n_layer") or LAYERS
+    per_layer = per_layer_lists(d, layers)
+    overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
+    if not per_layer and not overrides:
+        return list(range(LAYERS))
+    sig = [tuple(repr(v[i]) for v in per_layer.values()) + (repr(overrides.get(i)),) for i in range(layers)]
+    return [0, next((i for i in range(1, layers) if sig[i] != sig[0]), 1)]
+
+
+def keep_layers(d: dict, other=None, finish=None, override=None, _top: bool = True) -> dict:
+    """A config dict (`config.to_dict()`) cut to 2 decoder layers of the kinds `chosen_layers`
+    picks: layer counts, per-layer lists, index lists, dense prefixes, per-layer overrides; and
+    the same in every sub-config (text_config, ...). Hooks for a caller that changes more
+    (benchmarks/hf_tiny_configs.py): `other(key, value)` gives every other entry its value,
+    `override(values, d)` each kept per-layer override's, `finish(d, top)` ends each level."""
+    d = copy.deepcopy(d)
+    source = dict(d)
+    layers = d.get("num_hidden_layers") or d.get("num_layers") or d.get("n_layer") or LAYERS
+    per_layer = per_layer_lists(d, layers)
+    overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
+    chosen = chosen_layers(d)
+    for key, value in list(d.items()):
+        if key == "per_layer_config" and value:
+            d[key] = {str(j): override(overrides[i], source) if override else overrides[i]
+                      for j, i in enumerate(chosen) if i in overrides}
+        elif isinstance(value, dict) and ("hidden_size" in value or "model_type" in value):
+            d[key] = keep_layers(value, other, finish, override, _top=False)
+        elif key in per_layer:
+            d[key] = [value[i] for i in chosen]
+        elif key in INDEX_LISTS and isinstance(value, list):
+            d[key] = [j for j, i in enumerate(chosen) if i in value]
+        elif key in DENSE_PREFIX and isinstance(value, int) and not isinstance(value, bool):
+            d[key] = min(value, LAYERS - 1)
+        elif key in LAYER_COUNTS and isinstance(value, int) and not isinstance(value, bool):
+            d[key] = LAYERS
+        elif other is not None:
+            d[key] = other(key, value)
+    return finish(d, _top) if finish else d
+
+
+def _with_tp_plan(config):
+    """The config itself, or the text config of a composite one (Gemma-3's, Llama-4's) where
+    only that has a TP plan."""
+    for candidate in (config, config.get_text_config()):
+        if getattr(type(candidate), "base_model_tp_plan", None):
+            return candidate
+    raise CheckError(f"model type '{config.model_type}' has no tensor-parallel plan in transformers "
+                     f"(base_model_tp_plan is empty): loading it with tp_plan=\"auto\" shards nothing")
+
+
+def two_layer_config(spec: str):
+    """(config cut to 2 layers, the model type, how many layers the model has) for a model type
+    (its config class's defaults) or a local directory with a config.json. Never downloads."""
+    from transformers import AutoConfig
+
+    if os.sep in spec or os.path.exists(spec):
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise CheckError(f"{spec}: no config.json in it" if path.is_dir() else f"{spec}: not a directory")
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as e:
+            raise CheckError(f"{spec}/config.json: {_short(e)}") from e
+    else:
+        try:
+            config = AutoConfig.for_model(spec)
+        except ValueError as e:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            near = difflib.get_close_matches(spec, list(CONFIG_MAPPING.keys()), n=3)
+            raise CheckError(f"unknown model type '{spec}' (not a directory either)"
+                             + (f"; did you mean {', '.join(near)}?" if near else "")) from e
+    config = _with_tp_plan(config)
+    d = config.to_dict()
+    layers = d.get("num_hidden_layers") or d.get("num_layers") or d.get("n_layer")
+    d = keep_layers(d)
+    model_type = d.pop("model_type")
+    d.pop("transformers_version", None)
+    return AutoConfig.for_model(model_type, **d), model_type, layers
+
+
+def causal_lm_class(config):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        raise CheckError(f"model type '{config.model_type}' has no causal-LM class in transformers") from None
+
+
+# ----------------------------------------------------------------------------- loading
+def _tp(tp: int | None) -> dict:
+    """from_pretrained's TP keywords: the "auto" plan, over `tp` ranks (None: WORLD_SIZE's)."""
+    kwargs = tp_kwargs("auto")
+    if tp is None:
+        return kwargs
+    if "distributed_config" in kwargs:
+        return {"distributed_config": type(kwargs["distributed_config"])(tp_plan="auto", tp_size=tp)}
+    return {**kwargs, "tp_size": tp}
+
+
+_RANDOM_INITS = {"normal_": lambda t, mean=0.0, std=1.0, **_: mean, "trunc_normal_": lambda t, mean=0.0, **_: mean,
+                 "uniform_": lambda t, a=0.0, b=1.0, **_: (a + b) / 2}
+for _name in ("xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_"):
+    _RANDOM_INITS[_name] = lambda t, *a, **k: 0.0
+
+
+@contextlib.contextmanager
+def _init_by_fill() -> Iterator[None]:
+    """transformers' random initialisers fill each tensor with their distribution's mean instead
+    (seconds at 8B widths, where drawing the numbers takes a minute on 2 cores). Where the
+    installed transformers keeps them elsewhere, they draw as usual (slower, same result)."""
+    try:
+        from transformers.initialization import TORCH_INIT_FUNCTIONS as table
+    except ImportError:
+        yield
+        return
+
+    def filler(value_of):
+        def fill(tensor, *args, **kwargs):
+            with torch.no_grad():
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                local.fill_(value_of(tensor, *args, **kwargs))
+            return tensor
+        return fill
+
+    saved = {k: table[k] for k in _RANDOM_INITS if k in table}
+    table.update({k: filler(_RANDOM_INITS[k]) for k in saved})
+    try:
+        yield
+    finally:
+        table.update(saved)
+
+
+def load_tp_model(source: Any, tp: int | None = None, dtype: torch.dtype = torch.bfloat16):
+    """A causal LM loaded tensor-parallel (its "auto" plan) over the current process group, in
+    eval mode: `source` a checkpoint directory (its weights), or a config (no weights read:
+    the means of the init distributions; any tensor left unset holding a non-finite value is
+    zeroed). `tp`: the TP size (None: WORLD_SIZE's, as under torchrun)."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(source, (str, os.PathLike)):
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **_tp(tp)).eval()
+    with _init_by_fill():
+        model = causal_lm_class(source).from_pretrained(None, config=source, state_dict={}, dtype=dtype, **_tp(tp))
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if local.is_floating_point() and not torch.isfinite(local.sum()):  # a sum: no copy of the tensor
+                local.zero_()
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- FP8 activation quant
+# In front of the linears that read a norm, spelled as FP8 checkpoints and torchao spell it, then
+# dequantized so the matmul runs anywhere (a real FP8 model would hand the FP8 tensor and scale
+# to an FP8 matmul; the quant is what arfusion fuses either way).
+FP8 = torch.float8_e4m3fn
+NORM_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+QUANTS = ("fp8-static", "fp8-dynamic", "fp8-group")
+
+
+def fp8_static(x, scale):
+    return (x / scale).clamp(-448, 448).to(FP8).to(x.dtype) * scale.to(x.dtype)
+
+
+def fp8_dynamic(x):  # torchao's per-row spelling (Float8DynamicActivationFloat8WeightConfig, PerRow)
+    scale = (x.abs().amax(dim=x.dim() - 1, keepdim=True) / 448.0).to(torch.float32)
+    return ((x.to(torch.float32) / scale).clamp(-448.0, 448.0).to(FP8).to(torch.float32) * scale).to(x.dtype)
+
+
+def fp8_group(x, group=128):
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
+    q = (g / scale).clamp(-448, 448).to(FP8).reshape(x.shape)
+    # Consumed as an FP8 GEMM reads it: [T, H] values with [T, H / 128] scales.
+    return (q.float() * scale.squeeze(-1).repeat_interleave(group, dim=-1)).to(x.dtype)
+
+
+def add_activation_quant(model, mode: str) -> int:
+    """One quantizer per norm output: q/k/v (and gate/up) of a layer share its static scale.
+    Returns how many linears got one."""
+    scales, hooked = {}, 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in NORM_READERS:
+            continue
+        block = name.rsplit(".", 2)[0]  # layers.i.self_attn.q_proj -> layers.i
+        scale = scales.setdefault(block + name.split(".")[-2], torch.tensor(0.05, device=module.weight.device))
+        quantize = {"fp8-static": lambda x, s=scale: fp8_static(x, s), "fp8-dynamic": fp8_dynamic,
+                    "fp8-group": fp8_group}[mode]
+        module.register_forward_pre_hook(lambda mod, args, q=quantize: (q(args[0]), *args[1:]))
+        hooked += 1
+    return hooked
+
+
+# ----------------------------------------------------------------------------- the command
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
+
+
+def _tokens_word(n: int) -> str:
+    return f"{n} token" + "s" * (n != 1)
+
+
+def check(spec: str, tp: int = 2, tokens=TOKENS, quant: str | None = None,
+          show_progress: bool = True) -> tuple[str, list[tuple[int, FusionReport]]]:
+    """(a header line, [(token count, report)]) for `arfusion check`; CheckError on bad input."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    config, model_type, layers = two_layer_config(spec)
+    text = config.get_text_config()
+    progress = Progress(1 + len(tokens), f"arfusion check {model_type}", enabled=show_progress)
+    reports = []
+    try:
+        with fake_world(tp):
+            try:
+                model = load_tp_model(config, tp)
+            except CheckError:
+                raise
+            except Exception as e:
+                raise CheckError(f"{model_type} does not load with its TP plan at TP={tp}: {_short(e)}") from e
+            prepare_for_compile(model)
+            if quant:
+                add_activation_quant(model, quant)
+            progress.update("loaded")
+            header = (f"{model_type} ({type(model).__name__}): {LAYERS} of {layers} layers, hidden "
+                      f"{text.hidden_size}, TP={tp} over a fake process group, bf16"
+                      + (f", {quant} activation quant" if quant else ""))
+            generator = torch.Generator().manual_seed(0)
+            for n in tokens:
+                ids = torch.randint(0, text.vocab_size, (1, n), generator=generator)
+                report = fusion_report(model, {"input_ids": ids, "use_cache": False})
+                report.title, report.output = f"{_tokens_word(n)}:", None
+                reports.append((n, report))
+                progress.update(f"{_tokens_word(n)} compiled")
+    finally:
+        progress.close()
+    return header, reports
+
+
+def verdict(model_type: str, reports: list[tuple[int, FusionReport]]) -> str:
+    """One line for every token count: the same words where they agree."""
+    verdicts = {r.verdict for _, r in reports}
+    if len(verdicts) == 1:
+        counts = [str(n) for n, _ in reports]
+        at = counts[0] if len(counts) == 1 else ", ".join(counts[:-1]) + " and " + counts[-1]
+        return f"{model_type}: {verdicts.pop()} (at {at} token{'s' * (counts != ['1'])})"
+    return f"{model_type}: " + "; ".join(f"at {_tokens_word(n)}: {r.verdict}" for n, r in reports)
+
+
+def main(args) -> int:
+    """`arfusion check` (argparse namespace: model, tp, tokens, quant, quiet)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model type or a local directory: nothing to fetch
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+        if not tokens or min(tokens) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"arfusion check: --tokens takes token counts like 1,8, not {args.tokens!r}", file=sys.stderr)
+        return 2
+    if args.tp < 2:
+        print(f"arfusion check: --tp must be at least 2 (got {args.tp}): one rank has no all-reduce", file=sys.stderr)
+        return 2
+    try:
+        header, reports = check(args.model, args.tp, tokens, args.quant, show_progress=not args.quiet)
+    except CheckError as e:
+        print(f"arfusion check: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the model loaded, then compiling or running it failed: a bug to report
+        traceback.print_exc()
+        print(f"arfusion check: {args.model} failed after loading: {_short(e)}", file=sys.stderr)
+        return 1
+    print(header)
+    for _, report in reports:
+        print(f"\n{report}")
+    model_type = header.split(" ", 1)[0]
+    print(f"\n{verdict(model_type, reports)}")
+    return 0
