@@ -7,7 +7,10 @@ nothing here says anything about aiter's kernels.
 The signatures below are aiter's, copied as signatures only (names, order, defaults) from:
   V017:  amd-aiter 0.1.7.post2.dev18 (PyPI), aiter/dist/device_communicators/custom_all_reduce.py
   V_STAGE: ROCm/aiter commit 86a98ee, same file (use_1stage added, return order flipped)
-  V_MAIN: ROCm/aiter main commit 03644e5, same file (gemma_norm, quant variants, IPCBufferPool)
+  V_MAIN: ROCm/aiter main commit 03644e5, same file (gemma_norm, quant variants, IPCBufferPool,
+         the AITER_CUSTOM_AR_MIN_SIZE / AITER_CUSTOM_AR_MAX_SIZE window of aiter#4233)
+Every `custom_*` method returns None where aiter's `should_custom_ar(input)` says no (see
+`custom_ar_fits`, this file's own code written from those versions' rules).
 
 The quick all-reduce ("quickreduce") ops and its communicator module, likewise signatures only:
   V017:  the 0.1.7.post2.dev18 wheel, aiter/ops/quick_all_reduce.py (star-imported into `aiter`)
@@ -24,6 +27,7 @@ import enum
 import functools
 import importlib.machinery
 import inspect
+import os
 import sys
 import types
 from dataclasses import dataclass, field
@@ -122,6 +126,44 @@ def qr_handle_owner(raw: bytes) -> tuple[int, int] | None:
     return (raw[1], raw[2]) if len(raw) == QR_HANDLE_BYTES and raw[0] == _QR_MAGIC else None
 
 
+# --- which inputs CustomAllreduce's custom_* methods take (should_custom_ar) ----------------
+
+CAR_DEFAULT_MAX = 8192 * 8192  # aiter's _DEFAULT_CAR_MAX_SIZE (64 MiB)
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def car_window(max_size: int) -> tuple[int, int]:
+    """V_MAIN's (min, max] window, read at construction as aiter's _resolve_car_min_size and
+    _resolve_car_max_size(pool_size=max_size) do: min unset, bad or negative -> 0; max unset, bad
+    or negative -> 64 MiB, 0 -> 0 (off), above the pool -> 64 MiB."""
+    low = _env_int("AITER_CUSTOM_AR_MIN_SIZE")
+    high = _env_int("AITER_CUSTOM_AR_MAX_SIZE")
+    low = 0 if low is None or low < 0 else low
+    if high is None or high < 0 or high > max_size:
+        high = CAR_DEFAULT_MAX
+    return low, high
+
+
+def custom_ar_fits(version: str, obj: Any, inp: torch.Tensor) -> bool:
+    """aiter's should_custom_ar(inp) for a communicator that is not disabled (world 2 or fully
+    connected, which aiter's ROCm code always assumes): bytes a multiple of 16, dense, and
+    V017 / V_STAGE: bytes <= max_size; V_MAIN: min < bytes <= max (car_window)."""
+    nbytes = inp.numel() * inp.element_size()
+    if nbytes % 16 or not inp.is_contiguous():
+        return False
+    if version == V_MAIN:
+        low, high = obj.car_window
+        return high > 0 and low < nbytes <= high
+    return nbytes <= obj.max_size
+
+
 # --- a quant both the fake kernels and the tests' reference quant use ---------------------
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e4m3fnuz: 240.0}
@@ -156,6 +198,7 @@ class FakeAiter:
     behaviour: dict[str, str] = field(default_factory=dict)
     ctor_raises: bool = False
     calls: list[tuple[str, tuple, dict]] = field(default_factory=list)
+    results: list[tuple[str, Any]] = field(default_factory=list)  # what each CustomAllreduce method returned
     violations: list[str] = field(default_factory=list)
     instances: list[Any] = field(default_factory=list)
     quick_reduce: bool = True  # give the versions that have one their quick all-reduce
@@ -218,9 +261,14 @@ class FakeAiter:
             mode = self.behaviour.get(name, "ok")
             if mode == "raise":
                 raise RuntimeError(f"fake {name} failure")
-            if obj.disabled or mode == "none":
-                return None
-            return impl(obj, *args, **kwargs)
+            fits = not name.startswith("custom_") or custom_ar_fits(
+                self.version, obj, args[0] if args else kwargs["input"])
+            if obj.disabled or mode == "none" or not fits:
+                result = None
+            else:
+                result = impl(obj, *args, **kwargs)
+            self.results.append((name, result))
+            return result
 
         return method
 
@@ -231,12 +279,15 @@ class FakeAiter:
         def __init__(obj, *args, **kwargs):
             fake.calls.append(("__init__", args, kwargs))
             try:
-                stub_init.bind(obj, *args, **kwargs)
+                bound = stub_init.bind(obj, *args, **kwargs)
             except TypeError as e:
                 fake.violations.append(f"__init__: {e}")
                 raise
             if fake.ctor_raises:
                 raise AssertionError("fake set-up failure")
+            bound.apply_defaults()
+            obj.max_size = bound.arguments["max_size"]
+            obj.car_window = car_window(obj.max_size)  # read here, as aiter's __init__ does
             obj.disabled = fake.disabled
             obj.world_size = fake.world_size
             fake.instances.append(obj)

@@ -8,6 +8,7 @@ with arfusion's reference math. Nothing here has run on ROCm hardware or any ait
 
 from __future__ import annotations
 
+import gc
 import importlib.abc
 import importlib.machinery
 import logging
@@ -16,14 +17,16 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import arfusion.ops
 from arfusion import quant, reference, runtime
 from arfusion.backends.aiter import AiterBackend, communicator, detection, limits, stages
 from arfusion.backends import get_backend, resolve
-from arfusion.core import Call, Site
+from arfusion.core import PLAIN, Call, Site
 
 from .fake_aiter import V017, V_MAIN, V_STAGE, FakeAiter, fake_quantize
+from .test_numerics_gloo import collect_from_ranks
 
 KIB, MIB = 1024, 1024 * 1024
 BF16 = torch.bfloat16
@@ -613,3 +616,242 @@ def test_gloo_twin_reuses_gloo_and_creates_one_per_rank_set(monkeypatch):
     # (before, the destroyed twin was handed out again and aiter's handle exchange failed on it).
     del ranks["gloo1"]
     assert communicator.gloo_twin("n1") == "gloo2" and len(created) == 2
+
+
+# ---------------------------------------------------------------- the plain all-reduce
+
+
+def plain(nbytes: int | None = 4 * 4096 * 2, dtype=BF16, world_size=2, hidden=4) -> Call:
+    """A plain all-reduce of exactly `nbytes` per rank (None: tokens unknown, compile time)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    tokens = None if nbytes is None else nbytes // (hidden * itemsize)
+    assert nbytes is None or tokens * hidden * itemsize == nbytes
+    return Call(site=PLAIN, tokens=tokens, hidden=hidden, dtype=dtype, weight_dtype=dtype,
+                world_size=world_size, device=CUDA, group_name=GROUP)
+
+
+@pytest.fixture
+def car_env(monkeypatch):
+    """aiter's own window variables, unset unless a test sets them."""
+    for name in (limits.CUSTOM_AR_MIN_SIZE_ENV, limits.CUSTOM_AR_MAX_SIZE_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+    def set_window(low=None, high=None):
+        for name, value in ((limits.CUSTOM_AR_MIN_SIZE_ENV, low), (limits.CUSTOM_AR_MAX_SIZE_ENV, high)):
+            if value is not None:
+                monkeypatch.setenv(name, str(value))
+
+    return set_window
+
+
+def test_plain_is_declined_off_rocm(block_aiter, car_env):
+    backend = AiterBackend()
+    assert "torch.version.hip is None" in backend.plain_why_not(plain())
+    assert "ROCm GPUs only" in backend.plain_why_not(Call(**{**plain().__dict__, "device": torch.device("cpu")}))
+    assert block_aiter.attempts == []
+
+
+@pytest.mark.parametrize("nbytes, ok", [
+    (64 * MIB, True),  # aiter's default cutoff, inclusive (`inp_size <= 8192 * 8192`)
+    (64 * MIB + 16, False),
+    (16, True),  # the default floor is 0, exclusive: the smallest multiple of 16 fits
+    (8, False),  # not a multiple of 16 bytes
+    (24, False),
+    (0, False),
+    (None, True),  # tokens unknown at compile time: decided at run time
+])
+def test_plain_default_window(monkeypatch, car_env, nbytes, ok):
+    simulate_rocm(monkeypatch, "gfx942")
+    reason = AiterBackend().plain_why_not(plain(nbytes))
+    assert (reason is None) == ok, reason
+    if nbytes == 0:
+        assert reason == "no tokens"
+
+
+@pytest.mark.parametrize("low, high, nbytes, ok", [
+    (MIB, 2 * MIB, MIB, False),  # at the floor: aiter leaves it to RCCL (exclusive)
+    (MIB, 2 * MIB, MIB + 16, True),
+    (MIB, 2 * MIB, 2 * MIB, True),  # at the cutoff: inclusive
+    (MIB, 2 * MIB, 2 * MIB + 16, False),
+    (None, 0, 16, False),  # 0 turns aiter's custom all-reduce off
+    (None, 0, None, False),  # ... at compile time too
+    (2 * MIB, 2 * MIB, None, False),  # an empty window
+    (None, 96 * MIB, 64 * MIB + 16, False),  # aiter would go on to 96 MiB; arfusion stops at 64
+    (None, 96 * MIB, 64 * MIB, True),
+    (None, 256 * MIB, 64 * MIB, True),  # above aiter's pool (arfusion's 128 MiB): aiter's default
+    (None, 256 * MIB, 64 * MIB + 16, False),
+    (None, "lots", 64 * MIB, True),  # unparsable: aiter's default
+    (-5, None, 16, True),  # negative floor: aiter's default 0
+    ("x", None, 16, True),
+])
+def test_plain_window_from_aiters_environment(monkeypatch, car_env, low, high, nbytes, ok):
+    simulate_rocm(monkeypatch, "gfx942")
+    car_env(low, high)
+    reason = AiterBackend().plain_why_not(plain(nbytes))
+    assert (reason is None) == ok, reason
+    if not ok and low == MIB and nbytes == MIB:
+        assert limits.CUSTOM_AR_MIN_SIZE_ENV in reason
+
+
+def test_plain_user_cap_lowers_but_never_raises(monkeypatch, car_env):
+    simulate_rocm(monkeypatch, "gfx942")
+    backend = AiterBackend()
+    assert backend.plain_why_not(plain(2 * MIB), max_bytes_override=2 * MIB) is None
+    reason = backend.plain_why_not(plain(2 * MIB + 16), max_bytes_override=2 * MIB)
+    assert "> cap 2097152" in reason and "plain_max_size_mb" in reason
+    assert "is empty" in backend.plain_why_not(plain(16), max_bytes_override=0)  # 0: never
+    assert "is empty" in backend.plain_why_not(plain(None), max_bytes_override=0)
+    assert backend.plain_why_not(plain(64 * MIB + 16), max_bytes_override=1024 * MIB) is not None
+
+
+@pytest.mark.parametrize("dtype, ok", [(torch.bfloat16, True), (torch.float16, True), (torch.float32, True),
+                                       (torch.float64, False), (torch.int32, False)])
+def test_plain_dtypes(monkeypatch, car_env, dtype, ok):
+    simulate_rocm(monkeypatch, "gfx942")
+    reason = AiterBackend().plain_why_not(plain(4096, dtype=dtype))
+    assert (reason is None) == ok, reason
+
+
+@pytest.mark.parametrize("world_size, ok", [(1, False), (2, True), (3, False), (4, True), (6, True),
+                                            (8, True), (16, False)])
+def test_plain_world_sizes(monkeypatch, car_env, world_size, ok):
+    """CustomAllreduce's own list (6 included, unlike the fused kernel's)."""
+    simulate_rocm(monkeypatch, "gfx942")
+    reason = AiterBackend().plain_why_not(plain(4096, world_size=world_size))
+    assert (reason is None) == ok, reason
+
+
+WINDOWS = [(None, None), (MIB, 2 * MIB), (None, 0), (None, 96 * MIB), (None, 256 * MIB), (3 * MIB, MIB)]
+SIZES = [16, 8192, MIB, MIB + 16, 2 * MIB, 2 * MIB + 16, 64 * MIB, 64 * MIB + 16, 96 * MIB, 96 * MIB + 16]
+
+
+@pytest.mark.parametrize("low, high", WINDOWS)
+@pytest.mark.parametrize("version", [V017, V_STAGE, V_MAIN])
+def test_plain_decisions_agree_with_aiters_own(rocm_env, car_env, version, low, high):
+    """What arfusion accepts, aiter's custom_all_reduce takes (never a None by surprise); on the
+    aiter with the window (V_MAIN), exactly the same sizes up to arfusion's 64 MiB."""
+    car_env(low, high)
+    fake = rocm_env("gfx942", version)
+    backend = AiterBackend()
+    assert backend.prepare_plain(plain()) is None
+    comm = fake.instances[0]
+    for nbytes in SIZES:
+        ours = backend.plain_why_not(plain(nbytes)) is None
+        theirs = comm.custom_all_reduce(torch.zeros(nbytes // 2, dtype=BF16).view(-1, 8)) is not None
+        assert not ours or theirs, (nbytes, "arfusion takes what aiter declines")
+        if version == V_MAIN and nbytes <= 64 * MIB:
+            assert ours == theirs, nbytes
+    assert fake.violations == []
+
+
+def test_plain_all_reduce_calls_aiter_with_its_argument_order(rocm_env, car_env):
+    fake = rocm_env("gfx942", V_MAIN)
+    backend = AiterBackend()
+    c = plain(16 * 4096 * 2, hidden=4096)
+    x = torch.randn(16, 4096).to(BF16)
+    assert backend.plain_why_not(c) is None and backend.prepare_plain(c) is None
+    out = backend.all_reduce(c, x)
+    (init, init_args, init_kwargs), (name, args, kwargs) = fake.calls
+    assert init == "__init__" and init_args == (f"gloo:pg:{GROUP}", CUDA) and init_kwargs == {"max_size": 128 * MIB}
+    assert name == "custom_all_reduce" and kwargs == {} and len(args) == 1 and args[0] is x
+    assert fake.results == [("custom_all_reduce", out)] and torch.equal(out, fake.reduce(x))
+    assert fake.violations == []
+
+
+@pytest.mark.parametrize("version", [V017, V_STAGE])
+def test_plain_all_reduce_on_older_aiter(rocm_env, car_env, version):
+    fake = rocm_env("gfx942", version)
+    backend = AiterBackend()
+    c, x = plain(1024, hidden=8), torch.randn(64, 8).to(torch.float16)
+    c = Call(**{**c.__dict__, "dtype": torch.float16, "weight_dtype": torch.float16})
+    assert backend.prepare_plain(c) is None
+    assert torch.equal(backend.all_reduce(c, x), fake.reduce(x))
+    assert fake.names() == ["__init__", "custom_all_reduce"] and fake.violations == []
+
+
+@pytest.mark.parametrize("mode, logged", [("none", "returned None"), ("raise", "raised RuntimeError")])
+def test_plain_all_reduce_falls_back_to_torchs_sum(rocm_env, car_env, monkeypatch, caplog, mode, logged):
+    fake = rocm_env("gfx942", V_MAIN, behaviour={"custom_all_reduce": mode})
+    torch_sums = []
+    monkeypatch.setattr(reference, "all_reduce_sum", lambda x, group: torch_sums.append((x, group)) or x + x)
+    backend = AiterBackend()
+    c, x = plain(), torch.randn(1024, 8).to(BF16)
+    assert backend.prepare_plain(c) is None
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        outs = [backend.all_reduce(c, x) for _ in range(2)]
+    assert all(torch.equal(out, x + x) for out in outs)
+    assert [(got is x, group) for got, group in torch_sums] == [(True, GROUP)] * 2
+    assert fake.names() == ["__init__", "custom_all_reduce", "custom_all_reduce"]
+    assert sum(logged in r.getMessage() for r in caplog.records) == 1  # once
+
+
+def test_plain_shares_the_fused_sites_communicator(rocm_env, car_env):
+    fake = rocm_env("gfx950", V_MAIN)
+    backend = AiterBackend()
+    run_and_expect(backend, call())
+    assert backend.prepare_plain(plain()) is None
+    backend.all_reduce(plain(), torch.randn(1024, 8).to(BF16))
+    assert fake.names() == ["__init__", "custom_fused_ar_rms", "custom_all_reduce"]
+    backend.close()
+    assert backend._communicators == {}
+
+
+def test_plain_set_up_never_during_capture_and_capture_after_it(rocm_env, car_env, monkeypatch):
+    fake = rocm_env("gfx942", V_MAIN)
+    backend = AiterBackend()
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
+    assert "CUDA graph capture" in backend.prepare_plain(plain())
+    assert fake.calls == []
+    monkeypatch.setattr(runtime, "capturing", lambda: False)
+    assert backend.prepare_plain(plain()) is None
+    monkeypatch.setattr(runtime, "capturing", lambda: True)  # set up: captures call it as eager does
+    assert backend.prepare_plain(plain()) is None
+    x = torch.randn(1024, 8).to(BF16)
+    assert torch.equal(backend.all_reduce(plain(), x), fake.reduce(x))
+    assert fake.names() == ["__init__", "custom_all_reduce"] and fake.calls[-1][1:] == ((x,), {})
+
+
+@pytest.mark.parametrize("setup, reason", [(dict(disabled=True), "disabled its custom all-reduce"),
+                                           (dict(ctor_raises=True), "set-up failed: AssertionError")])
+def test_plain_failed_set_up_is_declined_and_not_retried(rocm_env, car_env, setup, reason):
+    fake = rocm_env("gfx942", V_MAIN, **setup)
+    backend = AiterBackend()
+    assert reason in backend.prepare_plain(plain())
+    assert reason in backend.prepare_plain(plain(8192))
+    assert fake.names() == ["__init__"]
+
+
+def _plain_on_two_ranks(rank):
+    """aiter giving nothing (None, or raising) on 2 gloo ranks: the sum comes from torch's real
+    all-reduce. The fake aiter in each process; its own results are world_size * x, not sums."""
+    out = {}
+    group_name = dist.group.WORLD.group_name
+    for mode in ("none", "raise"):
+        for dtype in (torch.float32, torch.bfloat16):
+            fake = FakeAiter(version=V_MAIN, behaviour={"custom_all_reduce": mode})
+            with pytest.MonkeyPatch.context() as mp:
+                simulate_rocm(mp, "gfx942", fake)
+                detection.detect.cache_clear()
+                backend = AiterBackend()
+                c = Call(**{**plain(64 * 1024 * 2, dtype, hidden=1024).__dict__, "group_name": group_name})
+                xs = [torch.randn(c.tokens, c.hidden, generator=torch.Generator().manual_seed(r)).to(dtype)
+                      for r in range(2)]
+                verdict = backend.plain_why_not(c) or backend.prepare_plain(c)
+                got = backend.all_reduce(c, xs[rank])
+                backend.close()
+                out[f"{mode}-{dtype}"] = {"verdict": verdict, "exact": torch.equal(got, xs[0] + xs[1]),
+                                          "calls": fake.names(), "violations": fake.violations}
+                detection.detect.cache_clear()
+            del fake, backend  # the fake's call log holds the group (see test_aiter_quick_reduce)
+            gc.collect()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_plain_fallback_gives_the_exact_sum_on_two_ranks(tmp_path):
+    for r in collect_from_ranks(_plain_on_two_ranks, 2, tmp_path):
+        for name, result in r.items():
+            assert result["verdict"] is None, name
+            assert result["exact"], name
+            assert result["calls"] == ["__init__", "custom_all_reduce", "close"] and result["violations"] == []

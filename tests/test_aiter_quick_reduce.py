@@ -463,6 +463,8 @@ def two_ranks(tmp_path_factory):
     return collect_from_ranks(_two_ranks, 2, tmp_path_factory.mktemp("quick_reduce"))
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_two_ranks_set_up_with_each_versions_exchange(two_ranks):
     for r in two_ranks:
         assert r["ok_017"]["first"] is None and r["ok_017"]["second"] is None
@@ -476,6 +478,8 @@ def test_two_ranks_set_up_with_each_versions_exchange(two_ranks):
     assert [r["ok_main"]["result"] for r in two_ranks] == [2.0, 4.0]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_two_ranks_fail_together_and_never_retry(two_ranks):
     for name in ("init_fails_on_rank1", "open_fails_on_rank0", "missing_on_rank1"):
         verdicts = [(r[name]["first"], r[name]["second"]) for r in two_ranks]

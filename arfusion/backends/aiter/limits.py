@@ -120,7 +120,7 @@ QUICK_REDUCE_MODULE = "aiter.dist.device_communicators.quick_all_reduce"
 # aiter's own variables for its custom all-reduce window (CA, aiter#4233), read with aiter's
 # defaults and rules: custom all-reduce runs for input bytes in (MIN, MAX].
 CUSTOM_AR_MIN_SIZE_ENV = "AITER_CUSTOM_AR_MIN_SIZE"  # int bytes; unset, unparsable or < 0: 0
-CUSTOM_AR_MAX_SIZE_ENV = "AITER_CUSTOM_AR_MAX_SIZE"  # int bytes; 0: off; unset, bad, < 0 or too big: 64 MiB
+CUSTOM_AR_MAX_SIZE_ENV = "AITER_CUSTOM_AR_MAX_SIZE"  # int bytes; 0: off; unset, bad or < 0: 64 MiB
 # aiter's own environment variables for its QuickAllReduce, read with the same defaults.
 QUICK_REDUCE_CAST_ENV = "AITER_QUICK_REDUCE_CAST_BF16_TO_FP16"  # int, default 1: bf16 runs fp16 kernels
 QUICK_REDUCE_MAX_SIZE_ENV = "AITER_QUICK_REDUCE_MAX_SIZE_BYTES_MB"  # int MiB, <= 0 or unset: 2 GiB
@@ -140,16 +140,17 @@ def _env_int(name: str) -> int | None:
 
 
 def custom_ar_window() -> tuple[int, int]:
-    """(low, high): aiter's custom all-reduce takes input bytes in (low, high]; high 0: never.
+    """(low, high): aiter's custom all-reduce takes input bytes in (low, high]; high 0: none.
 
-    Resolved as CA's _resolve_car_min_size and _resolve_car_max_size(pool_size) do (aiter#4233),
-    with the pool arfusion creates (LIMITS.registered_buffer_bytes), then capped at
-    LIMITS.max_bytes: older aiter has no window (0.1.7 and 86a98ee take <= max_size, later ones
-    <= 64 MiB), and every version read takes (low, high] within that. The environment is the
-    same on every rank, as aiter assumes too."""
+    aiter's own window (CA _resolve_car_min_size and _resolve_car_max_size, aiter#4233): low from
+    CUSTOM_AR_MIN_SIZE_ENV (unset, unparsable or negative: 0); high from CUSTOM_AR_MAX_SIZE_ENV
+    (unset, unparsable or negative: 64 MiB; 0: off; above the registered pool: 64 MiB), capped at
+    LIMITS.max_bytes. Older aiter has no window (0.1.7 and 86a98ee take <= max_size, later ones
+    <= 64 MiB) and takes every size of this one. The environment is the same on every rank, as
+    aiter assumes too."""
     low = _env_int(CUSTOM_AR_MIN_SIZE_ENV)
     low = LIMITS.custom_ar_default_min_bytes if low is None or low < 0 else low
     high = _env_int(CUSTOM_AR_MAX_SIZE_ENV)
-    if high is None or high < 0 or high > LIMITS.registered_buffer_bytes:
-        high = LIMITS.max_bytes  # aiter's _DEFAULT_CAR_MAX_SIZE, 8192 * 8192
-    return low, min(high, LIMITS.max_bytes)
+    # Above 64 MiB aiter takes up to the value or falls back to 64 MiB: arfusion stops at 64 either way.
+    high = LIMITS.max_bytes if high is None or high < 0 else min(high, LIMITS.max_bytes)
+    return low, high
