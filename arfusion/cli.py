@@ -63,6 +63,9 @@ def _table(args) -> int:
                             for lv, start in entry.get("quantized_min_tokens", {}).items())
         print(f"  {key}: fuse up to {entry['max_fused_tokens']} tokens, one-shot up to "
               f"{entry['oneshot_max_tokens']} tokens{quantized}")
+    print("plain all-reduce seed table (the fast path of all-reduces that are not sites; MiB per rank, inclusive):")
+    for (sm, ws), mib in sorted(dispatch.PLAIN_MAX_MIB.items()):
+        print(f"  SM{sm}x world {ws}: up to {mib:g} MiB")
     print("quantized all-reduce seed table (opt-in; MiB per rank from which it is used, inclusive):")
     for (sm, ws), levels in sorted(dispatch.QUANTIZED_MIN_MIB.items()):
         print(f"  SM{sm}x world {ws}: " + ", ".join(f"{lv} from {mib:g} MiB" for lv, mib in levels.items()))

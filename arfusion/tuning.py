@@ -31,11 +31,11 @@ from . import ops  # noqa: F401  (registers torch.ops.arfusion.*, called below)
 from . import reference
 from .backends import flashinfer_dispatch as dispatch
 from .backends import get_backend
-from .core import Call, Site
+from .core import PLAIN, Call, Site
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
                   3072, 4096, 6144, 8192)
-PLAIN_SITE = Site(residual=True, norm="rms")
+NORM_SITE = Site(residual=True, norm="rms")
 
 
 # ----------------------------------------------------------------- timing helpers
@@ -137,7 +137,7 @@ def compiled_add_rms_norm():
 def unfused_step(x, residual, weight, eps, group, norm_fn):
     """NCCL all_reduce in place (as a model's row-parallel output is) + compiled add+RMSNorm."""
     dist.all_reduce(x, group=group)
-    return norm_fn(x, residual, weight, eps, PLAIN_SITE)
+    return norm_fn(x, residual, weight, eps, NORM_SITE)
 
 
 def fused_step(x, residual, weight, eps, group_name, max_bytes, backend="flashinfer", quantized=""):
@@ -163,6 +163,19 @@ class Measured:
     oneshot_us: float
     twoshot_us: float | None  # None where two-shot cannot run (tokens <= world size)
     quantized_us: float | None = None  # quantized all-reduce + compiled norm, where measured
+    nccl_us: float | None = None  # NCCL all_reduce alone, in place (a plain all-reduce's unfused path)
+    plain_us: float | None = None  # the backend's plain all-reduce (arfusion::all_reduce's fast path)
+
+
+def plain_crossover(rows: Iterable[Measured]) -> int:
+    """Largest token count up to which the plain all-reduce beats NCCL at every measured count
+    (0: at none), so it is never chosen where NCCL is faster."""
+    best = 0
+    for r in sorted(rows, key=lambda r: r.tokens):
+        if r.plain_us is None or r.nccl_us is None or r.plain_us >= r.nccl_us:
+            break
+        best = r.tokens
+    return best
 
 
 def crossover(rows: Iterable[Measured], world_size: int) -> tuple[int, int]:
@@ -248,7 +261,7 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     itemsize = torch.empty((), dtype=dtype).element_size()
     tokens = sorted({t for t in tokens if 1 <= t and t * hidden * itemsize <= dispatch.HARD_MAX_FUSED_BYTES})
     max_bytes = max(tokens) * hidden * itemsize
-    probe = Call.of_meta(PLAIN_SITE, (max(tokens), hidden), dtype, dtype, device, world, group_name)
+    probe = Call.of_meta(NORM_SITE, (max(tokens), hidden), dtype, dtype, device, world, group_name)
     reason = backend.why_not(probe, max_bytes) or backend.prepare(probe, max_bytes)
     if reason:
         raise RuntimeError(f"arfusion tune: FlashInfer cannot run here: {reason}")
@@ -271,13 +284,19 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
                 call = replace(probe, tokens=t, oneshot=oneshot)
                 times.append(time_in_graph(lambda: kernel_step(backend, call, x, res, weight, eps),
                                            group, calls, replays))
+            # The plain all-reduce against NCCL alone (what an all-reduce that is not a site runs).
+            times.append(time_in_graph(lambda: dist.all_reduce(x_unfused, group=group), group, calls, replays))
+            plain = replace(probe, site=PLAIN, tokens=t, oneshot=True)
+            times.append(time_in_graph(lambda: backend.all_reduce(plain, x), group, calls, replays))
             if quantized:
                 times.append(time_in_graph(lambda: fused_step(x, res, weight, eps, group_name, max_bytes,
                                                               quantized=quantized), group, calls, replays))
-            unfused, one, two, *quant = slowest_rank(times, group)
-            rows.append(Measured(t, unfused, one, None if two != two else two, quant[0] if quant else None))
+            unfused, one, two, nccl, plain_us, *quant = slowest_rank(times, group)
+            rows.append(Measured(t, unfused, one, None if two != two else two, quant[0] if quant else None,
+                                 nccl, plain_us))
             bar.update(f"T={t} unfused {unfused:.1f}us one-shot {one:.1f}us"
                        + ("" if two != two else f" two-shot {two:.1f}us")
+                       + f" nccl {nccl:.1f}us plain {plain_us:.1f}us"
                        + (f" {quantized} {quant[0]:.1f}us" if quant else ""))
     finally:
         bar.close()
@@ -288,6 +307,7 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     old = dispatch.tuned_entries().get(key, {})
     entry = {
         "max_fused_tokens": max_fused, "oneshot_max_tokens": oneshot_max, "gpu": gpu,
+        "plain_max_tokens": plain_crossover(rows),
         "quantized_min_tokens": {**old.get("quantized_min_tokens", {}), **(
             {quantized: quantized_crossover(rows, oneshot_max, max_fused, world)} if quantized else {})},
         "world_size": world, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."),
@@ -304,7 +324,8 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
 
 def format_rows(entry: dict) -> str:
     levels = entry.get("quantized_min_tokens", {})
-    lines = [f"{'tokens':>7} {'unfused us':>11} {'one-shot us':>12} {'two-shot us':>12} {'quantized us':>13}  chosen"]
+    lines = [f"{'tokens':>7} {'unfused us':>11} {'one-shot us':>12} {'two-shot us':>12} {'quantized us':>13}  chosen"
+             f"  {'nccl us':>8} {'plain us':>9}"]
     for r in entry["measured"]:
         t = r["tokens"]
         starts = [lv for lv, start in levels.items() if start is not None and t >= start]
@@ -318,9 +339,13 @@ def format_rows(entry: dict) -> str:
             chosen = "fused two-shot"
         two = "-" if r["twoshot_us"] is None else f"{r['twoshot_us']:.1f}"
         quant = "-" if r.get("quantized_us") is None else f"{r['quantized_us']:.1f}"
-        lines.append(f"{t:>7} {r['unfused_us']:>11.1f} {r['oneshot_us']:>12.1f} {two:>12} {quant:>13}  {chosen}")
+        nccl = "-" if r.get("nccl_us") is None else f"{r['nccl_us']:.1f}"
+        plain = "-" if r.get("plain_us") is None else f"{r['plain_us']:.1f}"
+        lines.append(f"{t:>7} {r['unfused_us']:>11.1f} {r['oneshot_us']:>12.1f} {two:>12} {quant:>13}  {chosen:<15}"
+                     f"  {nccl:>8} {plain:>9}")
     lines.append(f"fuse up to {entry['max_fused_tokens']} tokens; one-shot up to "
                  f"{entry['oneshot_max_tokens']} tokens"
+                 + (f"; plain all-reduce up to {entry['plain_max_tokens']} tokens" if "plain_max_tokens" in entry else "")
                  + "".join(f"; {lv} quantized all-reduce " + (f"from {start} tokens" if start is not None else "never")
                            for lv, start in levels.items()))
     return "\n".join(lines)

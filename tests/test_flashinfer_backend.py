@@ -717,3 +717,14 @@ def test_the_plain_table_is_part_of_what_ranks_compare():
         assert dispatch.table_hash() != before
     finally:
         dispatch.PLAIN_MAX_MIB[(9, 2)] -= 1
+
+
+def test_plain_crossover_stops_at_the_first_loss_against_nccl():
+    rows = [tuning.Measured(t, 20.0, 10.0, None, nccl_us=nccl, plain_us=plain)
+            for t, nccl, plain in ((1, 9.0, 5.0), (64, 10.0, 6.0), (512, 30.0, 31.0), (1024, 60.0, 50.0))]
+    assert tuning.plain_crossover(rows) == 64  # the later win at 1024 never re-enables 512
+    assert tuning.plain_crossover(rows[2:]) == 0
+    entry = {"max_fused_tokens": 64, "oneshot_max_tokens": 64, "plain_max_tokens": 64,
+             "measured": [vars(r) for r in rows]}
+    text = tuning.format_rows(entry)
+    assert "plain all-reduce up to 64 tokens" in text and "nccl us" in text
