@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Iterator
@@ -139,7 +141,7 @@ def two_layer_config(spec: str):
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except Exception as e:
-            raise CheckError(f"{spec}/config.json: {_short(e)}") from e
+            raise CheckError(f"{spec}/config.json: {one_line(e)}") from e
     else:
         try:
             config = AutoConfig.for_model(spec)
@@ -211,6 +213,16 @@ def _init_by_fill() -> Iterator[None]:
         table.update(saved)
 
 
+def save_random_model(config, path: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
+    """Writes a checkpoint of `config` with transformers' random init (seeded) into `path` (a
+    directory), for `load_tp_model` to load on every rank; returns `path`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=dtype).save_pretrained(path)
+    return path
+
+
 def load_tp_model(source: Any, tp: int | None = None, dtype: torch.dtype = torch.bfloat16):
     """A causal LM loaded tensor-parallel (its "auto" plan) over the current process group, in
     eval mode: `source` a checkpoint directory (its weights), or a config (no weights read:
@@ -273,7 +285,8 @@ def add_activation_quant(model, mode: str) -> int:
 
 
 # ----------------------------------------------------------------------------- the command
-def _short(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
+    """An exception as one line of at most 300 characters."""
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
 
 
@@ -299,7 +312,7 @@ def check(spec: str, tp: int = 2, tokens=TOKENS, quant: str | None = None,
             except CheckError:
                 raise
             except Exception as e:
-                raise CheckError(f"{model_type} does not load with its TP plan at TP={tp}: {_short(e)}") from e
+                raise CheckError(f"{model_type} does not load with its TP plan at TP={tp}: {one_line(e)}") from e
             prepare_for_compile(model)
             if quant:
                 add_activation_quant(model, quant)
@@ -330,7 +343,7 @@ def verdict(model_type: str, reports: list[tuple[int, FusionReport]]) -> str:
 
 
 def main(args) -> int:
-    """`arfusion check` (argparse namespace: model, tp, tokens, quant, quiet)."""
+    """`arfusion check` (argparse namespace: model, tp, tokens, quant, json, quiet)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model type or a local directory: nothing to fetch
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -342,6 +355,7 @@ def main(args) -> int:
     if args.tp < 2:
         print(f"arfusion check: --tp must be at least 2 (got {args.tp}): one rank has no all-reduce", file=sys.stderr)
         return 2
+    started = time.perf_counter()
     try:
         header, reports = check(args.model, args.tp, tokens, args.quant, show_progress=not args.quiet)
     except CheckError as e:
@@ -349,11 +363,17 @@ def main(args) -> int:
         return 2
     except Exception as e:  # the model loaded, then compiling or running it failed: a bug to report
         traceback.print_exc()
-        print(f"arfusion check: {args.model} failed after loading: {_short(e)}", file=sys.stderr)
+        print(f"arfusion check: {args.model} failed after loading: {one_line(e)}", file=sys.stderr)
         return 1
     print(header)
     for _, report in reports:
         print(f"\n{report}")
     model_type = header.split(" ", 1)[0]
-    print(f"\n{verdict(model_type, reports)}")
+    line = verdict(model_type, reports)
+    print(f"\n{line}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "model": args.model, "model_type": model_type, "header": header, "verdict": line,
+            "seconds": round(time.perf_counter() - started, 1),
+            "reports": [{"tokens": n, **r.to_dict()} for n, r in reports]}, indent=1) + "\n")
     return 0

@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--tokens", default="1,8", help="comma-separated token counts, one compile each")
     chk.add_argument("--quant", choices=check.QUANTS, default=None,
                      help="an FP8 activation quant after each norm, as FP8 checkpoints spell it")
+    chk.add_argument("--json", default=None, help="also write the rows, verdicts and stats to this file")
     chk.add_argument("--quiet", action="store_true", help="no progress bar")
     chk.set_defaults(func=check.main)
     args = parser.parse_args(argv)

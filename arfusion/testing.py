@@ -77,6 +77,22 @@ def rows_from(decisions: list[dict], stats: dict) -> list[Row]:
     return rows
 
 
+def describe_rewrites(rewrites: dict[str, int]) -> str:
+    """{"summed_all_reduces_merged": 2} -> "2 merged"."""
+    return ", ".join(f"{v} {REWRITES[k]}" for k, v in rewrites.items())
+
+
+def not_fused_reasons(lines: list[str]) -> dict[str, int]:
+    """The `arfusion` logger's "... not fused: <reason>" lines, counted by reason."""
+    reasons = Counter()
+    for line in lines:
+        if "not fused" not in line:
+            continue
+        reason = line.split("not fused", 1)[1].lstrip(" :;-")
+        reasons[reason.strip() or line] += 1
+    return dict(reasons)
+
+
 def _fmt_counts(counts: Counter) -> str:
     return "; ".join(f"{k} (×{v})" if v > 1 else k for k, v in counts.most_common())
 
@@ -155,7 +171,7 @@ class FusionReport:
         if self.rows:
             lines.append(self.table())
         if self.rewrites:
-            lines.append("rewrites: " + ", ".join(f"{v} {REWRITES[k]}" for k, v in self.rewrites.items()))
+            lines.append(f"rewrites: {describe_rewrites(self.rewrites)}")
         if self.graphs > 1:
             lines.append(f"{self.graphs} graphs: Dynamo broke the model's forward; an all-reduce and its norm in "
                          "different graphs cannot fuse")
@@ -169,9 +185,18 @@ class FusionReport:
             raise AssertionError(f"arfusion: {self.verdict}\n{self}")
         assert_fused(self, left=0)
 
+    def summary(self) -> dict:
+        """The coverage sweep's fields of a model (docs/data/coverage.json): fused (sites, as
+        stats count them), by_pattern, unfused_sites, why_not, rewrites, graphs, not_fused_log
+        (the log's "not fused" lines by reason) and log (its first 20 lines about fusing)."""
+        s = self.stats
+        return {"fused": s.get("fused_sites", 0), "by_pattern": s.get("by_pattern", {}),
+                "unfused_sites": s.get("unfused_sites"), "why_not": s.get("why_not", {}), "rewrites": self.rewrites,
+                "graphs": s.get("graphs"), "not_fused_log": not_fused_reasons(self.log),
+                "log": [line for line in self.log if "fused" in line][:20]}
+
     def to_dict(self) -> dict:
-        return {"rows": [r.__dict__ for r in self.rows], "verdict": self.verdict, "forms": dict(self.forms),
-                "reasons": dict(self.reasons), "rewrites": self.rewrites, "graphs": self.graphs}
+        return {"verdict": self.verdict, "rows": [r.__dict__ for r in self.rows], **self.summary()}
 
 
 def assert_fused(report: FusionReport, *, all_reduces: int | None = None, fused: int | None = None,

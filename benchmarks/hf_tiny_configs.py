@@ -4,14 +4,16 @@
 4 heads of 32 with 2 KV heads (divisible by TP=2), a 512-token vocabulary, 4 experts with top-2
 for MoE models, and every per-layer list (`layer_types`, `mlp_layer_types`, `mlp_only_layers`, ...)
 cut to 2 layers that keep the architecture's distinct layer kinds where it has several (the first
-layer and the first one that differs from it). Done generically from the config's attributes,
+layer and the first one that differs from it: `arfusion.check.keep_layers`, which `arfusion
+check` uses at real widths). Done generically from the config's attributes,
 with `OVERRIDES` for what a generic rule cannot know. Used by `benchmarks/hf_coverage.py`.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
+
+from arfusion.check import keep_layers
 
 LAYERS = 2
 HIDDEN = 128
@@ -62,10 +64,6 @@ TINY: dict[str, Any] = {
 # work with a checkpoint's config: the modeling code reads them unconditionally).
 ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "num_local_experts",
           "moe_intermediate_size", "n_shared_experts")
-# At most this many of the first layers dense, so that a MoE layer remains among 2.
-DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
-# Lists of layer indices (not one entry per layer).
-INDEX_LISTS = ("mlp_only_layers", "moe_layers", "ple_layer_ids")
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 # What the generic rules cannot know: values per model type, applied last.
@@ -94,21 +92,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-def _per_layer_lists(d: dict, layers: int) -> dict[str, list]:
-    return {k: v for k, v in d.items()
-            if isinstance(v, list) and len(v) == layers and layers > 1 and k not in INDEX_LISTS
-            and k != "eos_token_id"}
-
-
-def _chosen_layers(per_layer: dict[str, list], overrides: dict[int, dict], layers: int) -> list[int]:
-    """Layer 0 and the first layer whose kinds differ from it (else layer 1)."""
-    if not per_layer and not overrides:
-        return list(range(LAYERS))
-    sig = [tuple(repr(v[i]) for v in per_layer.values()) + (repr(overrides.get(i)),) for i in range(layers)]
-    other = next((i for i in range(1, layers) if sig[i] != sig[0]), 1)
-    return [0, other]
-
-
 def _shrink_layer_override(values: dict, mla: bool) -> dict:
     out = {}
     for key, value in values.items():
@@ -121,32 +104,20 @@ def _shrink_layer_override(values: dict, mla: bool) -> dict:
     return out
 
 
-def shrink(d: dict, model_type: str | None = None) -> dict:
-    """Tiny values for a config dict (nested sub-configs shrunk too)."""
-    d = copy.deepcopy(d)
-    layers = d.get("num_hidden_layers") or d.get("num_layers") or d.get("n_layer") or LAYERS
-    per_layer = _per_layer_lists(d, layers)
-    # Heterogeneous configs (Gemma4's global layers, dots3): {"05": {"head_dim": 512}, ...}.
-    layer_overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
-    chosen = _chosen_layers(per_layer, layer_overrides, layers)
-    mla = d.get("kv_lora_rank") is not None and "qk_rope_head_dim" in d
-    for key, value in list(d.items()):
-        if key == "per_layer_config" and value:
-            d[key] = {str(j): _shrink_layer_override(layer_overrides[i], mla)
-                      for j, i in enumerate(chosen) if i in layer_overrides}
-        elif isinstance(value, dict) and ("hidden_size" in value or "model_type" in value):
-            d[key] = shrink(value)  # text_config, vision_config, audio_config, ...
-        elif key in per_layer:
-            d[key] = [value[i] for i in chosen]
-        elif key in INDEX_LISTS and isinstance(value, list):
-            d[key] = [j for j, i in enumerate(chosen) if i in value]
-        elif key in DENSE_PREFIX and isinstance(value, int) and not isinstance(value, bool):
-            d[key] = min(value, 1)
-        elif key in TINY and (value is not None or key in ALWAYS) and not isinstance(value, bool):
-            d[key] = TINY[key]
-        elif key in TOKEN_IDS and value is not None:
-            d[key] = [TOKEN_IDS[key]] if isinstance(value, list) else TOKEN_IDS[key]
-    if mla:
+def _tiny(key: str, value: Any) -> Any:
+    if key in TINY and (value is not None or key in ALWAYS) and not isinstance(value, bool):
+        return TINY[key]
+    if key in TOKEN_IDS and value is not None:
+        return [TOKEN_IDS[key]] if isinstance(value, list) else TOKEN_IDS[key]
+    return value
+
+
+def _is_mla(d: dict) -> bool:
+    return d.get("kv_lora_rank") is not None and "qk_rope_head_dim" in d
+
+
+def _finish(d: dict, model_type: str | None) -> dict:
+    if _is_mla(d):
         # MLA: the rotary part is `head_dim` wide, q/k heads are nope + rope, K/V heads = Q heads.
         d["head_dim"] = d["qk_rope_head_dim"]
         if "num_key_value_heads" in d:
@@ -159,6 +130,13 @@ def shrink(d: dict, model_type: str | None = None) -> dict:
     d.pop("architectures", None)
     d.update(OVERRIDES.get(model_type or d.get("model_type"), {}))
     return d
+
+
+def shrink(d: dict, model_type: str | None = None) -> dict:
+    """Tiny values for a config dict (nested sub-configs shrunk too): 2 layers as
+    `arfusion.check.keep_layers` keeps them, then tiny widths."""
+    return keep_layers(d, other=_tiny, override=lambda values, src: _shrink_layer_override(values, _is_mla(src)),
+                       finish=lambda x, top: _finish(x, model_type if top else None))
 
 
 def tiny_config(model_type: str):
