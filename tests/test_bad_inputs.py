@@ -22,6 +22,8 @@ import torch
 from .bad_input_cases import run_bad_inputs, run_world_case
 from .test_numerics_gloo import run_workers
 
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 SLACK = 5e-3  # a 2-layer, hidden-128 model: its bf16 errors are a few 1e-3, so is one rounding's difference

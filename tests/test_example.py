@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compile_hf_model.py"
 LAYERS = 2
 

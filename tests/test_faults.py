@@ -25,6 +25,8 @@ import pytest
 
 from . import fault_cases as fc
 
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
 SPAWN_TIMEOUT = float(os.environ.get("FAULTS_SPAWN_TIMEOUT", "420"))
 
 

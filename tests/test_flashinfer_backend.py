@@ -527,6 +527,8 @@ def two_rank_results(tmp_path_factory):
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_workspace_created_once_per_group_reused_and_grown(two_rank_results):
     for rank, results in enumerate(two_rank_results):
         result = results["ok"]
@@ -551,6 +553,8 @@ def test_workspace_created_once_per_group_reused_and_grown(two_rank_results):
 
 
 @pytest.mark.parametrize("name", ["fail_build", "fail_create", "low_memory"])
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
     results = [r[name] for r in two_rank_results]
     for result in results:
@@ -569,6 +573,8 @@ def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
         assert results[0]["failed"] == "FlashInfer kernels or memory unavailable on another rank of the group"
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_quant_sites_run_the_right_flashinfer_pattern(two_rank_results):
     codes = {("fp8_static", False): 2, ("fp8_static", True): 4, ("fp8_dynamic", False): 10,
              ("fp8_dynamic", True): 11, ("fp8_group", False): 1, ("fp8_group", True): 1,

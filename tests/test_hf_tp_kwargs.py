@@ -21,6 +21,7 @@ def _live_transformers():
     return importlib.import_module("transformers")
 
 
+@pytest.mark.multiproc
 def test_import_arfusion_does_not_import_transformers():
     code = "import sys, arfusion, arfusion.hf; print('transformers' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -154,7 +154,10 @@ def assert_fp8_close(a, e):
 # ------------------------------------------------------------------ the norm
 
 
-@pytest.mark.parametrize("lead", [(2, 5), (1, 1), (1,)], ids=["10_tokens", "decode_1x1", "one_row"])
+# Every spelling at three shapes in the full suite; the quick loop (-m "not slow") keeps the decode shape.
+@pytest.mark.parametrize("lead", [pytest.param((2, 5), id="10_tokens", marks=pytest.mark.slow),
+                                  pytest.param((1, 1), id="decode_1x1"),
+                                  pytest.param((1,), id="one_row", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", list(NORMS))
 def test_norm_spellings_fuse_and_match_eager(fake_pg, name, lead):
     """Also at one token (a batch-1 decode step), where the weight [H] holds as many values as the
@@ -200,6 +203,7 @@ def test_eps_as_a_graph_input_under_dynamic_shapes(fake_pg):
 
 
 @pytest.mark.parametrize("name", list(LOOKALIKES))
+@pytest.mark.slow
 def test_lookalikes_stay_unfused_and_say_why(fake_pg, caplog, name):
     spelling, words = LOOKALIKES[name]
     with caplog.at_level(logging.INFO, logger="arfusion"):
@@ -323,6 +327,7 @@ def test_an_all_reduce_scaled_by_a_0d_tensor_in_the_residual_stream_fuses(fake_p
     ("per-token tensor", lambda r, y: r + y * torch.sigmoid(r[..., :1])),
     ("not linear", lambda r, y: r + 0.5 / (y.abs() + 1)),
 ])
+@pytest.mark.slow
 def test_other_scalings_of_the_all_reduce_stay_unfused(fake_pg, spelling, combine):
     arfusion.reset_stats()
     fused, left, actual, expected, stats = run(Site(NORMS["hf_llama"][0], residual=combine))
@@ -381,6 +386,7 @@ def test_an_fp32_weight_applied_after_the_cast_stays_outside(fake_pg):
     assert_matches_eager(actual, expected)
 
 
+@pytest.mark.slow
 def test_intermediate_read_elsewhere_stays_unfused(fake_pg):
     class Leaky(Site):
         def forward(self, x, residual):
@@ -508,6 +514,7 @@ QUANTS = {
 
 
 @pytest.mark.parametrize("name", list(QUANTS))
+@pytest.mark.slow
 def test_quant_spellings_fuse_and_match_eager(fake_pg, name):
     quantize, form = QUANTS[name]
     fused, left, actual, expected, _ = run(Site(NORMS["hf_llama"][0], quant=quantize))

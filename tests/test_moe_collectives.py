@@ -360,6 +360,8 @@ def _moe_ends(rank, dynamic):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_moe_ends_match_uncompiled(dynamic):
     run_workers(_moe_ends, 2, dynamic)
 

@@ -123,6 +123,7 @@ def _inputs(dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("fp32_weights", [False, True], ids=["bf16_weights", "fp32_weights"])
 @pytest.mark.parametrize("variant", ["hf", "weights_first", "gather_then_scale"])
+@pytest.mark.slow
 def test_combine_is_fused_into_the_site(fake_pg, variant, fp32_weights, caplog):
     torch.manual_seed(0)
     with caplog.at_level(logging.INFO, logger="arfusion"):
@@ -149,6 +150,7 @@ class AttentionThenExperts(nn.Module):
 
 
 @pytest.mark.parametrize("with_attention", [False, True], ids=["moe_alone", "after_attention"])
+@pytest.mark.slow
 def test_a_kernel_that_needs_another_collective_gets_the_combine_only_with_one(fake_pg, monkeypatch, with_attention,
                                                                                caplog):
     """FlashInfer's finalize kernel alternates two workspaces; a graph whose only collectives are
@@ -178,6 +180,7 @@ def test_a_kernel_that_needs_another_collective_gets_the_combine_only_with_one(f
     ("sum_over_other_dim", "not over dim 1"),
     ("weights_after_sum", "not a sum"),
 ])
+@pytest.mark.slow
 def test_lookalikes_fuse_the_site_alone(fake_pg, variant, why, caplog):
     torch.manual_seed(0)
     with caplog.at_level(logging.DEBUG, logger="arfusion"):
@@ -248,6 +251,7 @@ def test_switched_off(fake_pg):
     assert seen == {"moe": 0, "plain": 1, "left": 0} and stats["moe_combines_fused"] == 0
 
 
+@pytest.mark.slow
 def test_dynamic_token_count(fake_pg):
     torch.manual_seed(0)
     _, _, stats, seen = compile_run(GroupedExperts(), _inputs(), dynamic=True)
@@ -306,6 +310,8 @@ def _numerics(rank, dynamic):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_fused_combine_matches_eager_and_the_pass_without_it(dynamic):
     run_workers(_numerics, 2, dynamic)
 
@@ -363,6 +369,8 @@ EXPECTED = {"qwen3_moe": (5, 0), "deepseek_v3": (3, 2)}  # (fused sites, all-red
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_real_hf_moe_model_fuses_every_site_and_its_combines(model_type):
     run_workers(_hf_model, 2, model_type)
 
@@ -545,5 +553,7 @@ def _flashinfer_worker(rank):
         tfb.remove_fake_flashinfer()
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_flashinfer_moe_finalize_arguments_and_fallback():
     run_workers(_flashinfer_worker, 2)

@@ -95,6 +95,7 @@ def test_fp32_model_and_2d_activations_fuse(fake_pg):
     assert stats["by_pattern"] == {"allreduce_add_rmsnorm_nvfp4": 2}  # cumulative over both compiles
 
 
+@pytest.mark.slow
 def test_global_scale_computed_from_the_norm_output_is_not_taken_for_an_input(fake_pg):
     """torchao's default dynamic per-tensor scale is amax(|norm|) / 2688: a pattern taking it as
     its scale input would read a value computed from its own output. The norm still fuses."""
@@ -143,6 +144,8 @@ def model_site_name(residual, keep_norm):
     return f"allreduce_{'add_' if residual != 'none' else ''}rmsnorm_nvfp4{'_with_norm_out' if keep_norm else ''}"
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_fused_nvfp4_matches_uncompiled():
     run_workers(_numerics, 2)
 

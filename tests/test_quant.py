@@ -152,10 +152,14 @@ def _torchao_numerics(rank):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_static_and_group_quant_match_uncompiled(dtype):
     run_workers(_quant_numerics, 2, dtype)
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_torchao_dynamic_quant_matches_uncompiled():
     pytest.importorskip("torchao")
     run_workers(_torchao_numerics, 2)

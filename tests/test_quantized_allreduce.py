@@ -306,6 +306,8 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("level", QUANTIZED_LEVELS)
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_compiled_model_runs_the_quantized_all_reduce(results, level):
     for r in results:
         got = r[level]

@@ -19,6 +19,8 @@ import torch
 
 from .test_numerics_gloo import assert_close, compiled_vs_eager, run_workers
 
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "compile_torch_tp.py"
 LAYERS, HIDDEN, TOKENS = 1, 64, 8
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
