@@ -4,11 +4,9 @@ Static and dynamic per-token FP8 are quantized inside FlashInfer's kernel, and s
 SM100+ only (dispatch.QUANT_MIN_SM); per-group FP8 runs the plain kernel and then one compiled
 quant kernel (see QUANT_KERNELS).
 
-A site whose all-reduce input is an MoE top-k combine (`arfusion::moe_combine_allreduce_rmsnorm`)
-runs `trtllm_moe_finalize_allreduce_fusion` where the dispatch table's MOE_FINALIZE_MAX_TOKENS
-allows (decode sizes) and the user opted in; elsewhere the op combines in torch and takes the
-ordinary path. The finalize kernel gets workspaces of its own, two per group, used in turn (see
-`FinalizeWorkspaces`).
+An all-reduce that is not a site runs the plain one-shot kernel (kAllReduce) on the same
+workspace. The MoE finalize kernel is in flashinfer_moe.py, the quantized all-reduce in
+flashinfer_quantized.py, the ranks' set-up agreement in flashinfer_exchange.py.
 
 Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`
 and `allreduce_fusion`, always with backend="trtllm". "auto" would pick "mnnvl" on NVSwitch
@@ -39,7 +37,6 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -49,6 +46,9 @@ from .. import quant, runtime
 from ..core import NORM_FORMS, Call, flatten_tokens
 from ..runtime import PerGroup, all_ranks_agree, comm_device, hash63, outside_graph_pools
 from . import flashinfer_dispatch as dispatch
+from . import flashinfer_exchange as exchange
+from .flashinfer_moe import FinalizeWorkspaces, MoEFinalize
+from .flashinfer_quantized import WORLD_SIZES, QuantizedAllReduce
 from .base import Backend, Capabilities
 
 log = logging.getLogger("arfusion")
@@ -56,7 +56,6 @@ log = logging.getLogger("arfusion")
 # The unified allreduce_fusion calls FlashInfer's own deprecated entry point on every call.
 warnings.filterwarnings("ignore", message="use the unified API allreduce.py", category=DeprecationWarning)
 
-WORLD_SIZES = frozenset({2, 4, 8, 16})
 FI_BACKEND = "trtllm"  # the only FlashInfer backend this module ever asks for
 
 # (Site.quant, Site.emit_norm) -> the AllReduceFusionPattern member that computes the site.
@@ -113,35 +112,7 @@ class _GroupState:
 
 
 @dataclass
-class FinalizeWorkspaces:
-    """The MoE finalize kernel's own workspaces: two, taken in turn, one call each.
-
-    FlashInfer's finalize kernel (0.7.2.post1, trtllm_moe_allreduce_fusion.cuh) reads each peer's
-    values from *that peer's* Lamport buffer, and every one-shot kernel re-arms its own buffer's
-    region of the previous call at its next call on the same workspace. On a shared workspace a
-    rank that finished could re-arm what a slower peer is still reading (both then wait forever:
-    seen on two H200s and with two ranks on one H100). Here the next call on a workspace is always
-    two finalize calls later, and the call in between (on the other one) cannot finish on any rank
-    before every peer has finished the first: so nothing a peer still reads is re-armed. The plain
-    kernel keeps the group's ordinary workspace and never touches these.
-
-    Not closed by this alone: a CUDA graph replayed back to back whose only collectives on the
-    group are an odd number of finalize calls (replay k ends on the workspace replay k+1 starts
-    on). So the pass fuses the combine only into graphs with another collective on the group
-    (`Capabilities.moe_combine_needs_other_collective`); in a decoder, the attention all-reduce."""
-
-    pair: list
-    capacity_elems: int  # input elements per rank each workspace holds
-    calls: int = 0
-
-    def next(self):
-        workspace = self.pair[self.calls % 2]
-        self.calls += 1
-        return workspace
-
-
-@dataclass
-class FlashInferBackend(Backend):
+class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
     name: str = "flashinfer"
     capabilities: Capabilities = field(default_factory=lambda: Capabilities(
         device_types=frozenset({"cuda"}),
@@ -187,6 +158,9 @@ class FlashInferBackend(Backend):
             return (f"{call.nbytes} bytes per rank > {dispatch.HARD_MAX_FUSED_BYTES} "
                     "(largest FlashInfer workspace arfusion creates)")
         return None
+
+    def facts(self, call: Call) -> "DeviceFacts":
+        return device_facts(runtime.device_index(call.device))
 
     def limits(self, call: Call) -> dispatch.Limits | None:
         facts = device_facts(runtime.device_index(call.device))
@@ -292,7 +266,7 @@ class FlashInferBackend(Backend):
         local_problem = _build_kernels() or _memory_problem(
             call.device, dispatch.workspace_bytes_bound(group.size(), max_tokens, call.hidden))
         facts = [] if local_problem else _rank_facts(runtime.device_index(call.device))
-        verdict = _group_verdict(local_problem, facts, group, comm_dev)
+        verdict = exchange.group_verdict(local_problem, facts, group, comm_dev, _local_gpus())
         if not all_ranks_agree(verdict is None, group, comm_dev):
             return None, verdict or "another rank of the group cannot use FlashInfer (see its log)"
 
@@ -302,7 +276,7 @@ class FlashInferBackend(Backend):
             workspace = fic.create_allreduce_fusion_workspace(
                 backend=FI_BACKEND, world_size=group.size(), rank=group.rank(),
                 max_token_num=max_tokens, hidden_dim=call.hidden, dtype=call.dtype, group=group,
-                comm_backend=_exchange_backend(group, call.group_name))
+                comm_backend=exchange.exchange_backend(group, call.group_name))
         except Exception as e:  # reported below, after every rank has said how it went
             error = f"{type(e).__name__}: {e}"
         if not all_ranks_agree(error is None, group, comm_dev):
@@ -391,160 +365,6 @@ class FlashInferBackend(Backend):
             trigger_completion_at_end=True, output=out, use_oneshot=self.use_oneshot(call), fp32_acc=self.fp32_acc)
         return out
 
-    # ------------------------------------------------------------- MoE combine
-
-    def moe_combine_why_not(self, call: Call, top_k: int, rows: int | None) -> str | None:
-        """`trtllm_moe_finalize_allreduce_fusion` where the dispatch table says it pays (decode
-        sizes); `why_not(call)` has already accepted the site itself."""
-        if call.site.quant != "none":
-            return "the MoE finalize kernel is used for unquantized sites only"
-        if rows is not None and rows >= 2 ** 31:
-            return "more permuted rows than an int32 index addresses"
-        sm = device_facts(runtime.device_index(call.device)).sm[0]
-        return dispatch.moe_finalize_problem(sm, call.world_size, call.tokens)
-
-    def prepare_moe_combine(self, call: Call) -> str | None:
-        """The finalize kernel's two workspaces (`FinalizeWorkspaces`), sized for the dispatch
-        table's token cap (after `prepare`, which made the ordinary one): made like the ordinary
-        one (collectively, outside graph pools, never during capture); a failure leaves the
-        combine to torch, not the whole group unfused."""
-        state = self._groups.current(call.group_name)
-        if state.finalize_failed:
-            return state.finalize_failed
-        have = state.finalize
-        if have is not None and call.tokens * call.hidden <= have.capacity_elems:
-            return None
-        if runtime.capturing():
-            return ("no MoE finalize workspaces yet and workspaces are never created during CUDA-graph "
-                    "capture: run the model once eagerly first")
-        # The table's cap, within what the ordinary workspace holds (a forced cap, as the GPU check
-        # sets, is not a size to allocate), and never below this call.
-        sm = device_facts(runtime.device_index(call.device)).sm[0]
-        cap = dispatch.MOE_FINALIZE_MAX_TOKENS.get((sm, call.world_size), 0)
-        max_tokens = max(call.tokens, min(cap, state.capacity_elems // call.hidden))
-        pair = []
-        for _ in range(2):
-            workspace, error = outside_graph_pools(call.device, lambda: self._new_workspace(call, max_tokens))
-            if error:
-                for made in pair:
-                    made.destroy()
-                state.finalize_failed = f"MoE finalize workspaces: {error}"
-                return state.finalize_failed
-            pair.append(workspace)
-        if have is not None:
-            state.retired.extend(have.pair)
-        state.finalize = FinalizeWorkspaces(pair, max_tokens * call.hidden)
-        log.info("arfusion: FlashInfer MoE finalize workspaces for group %s (world %d): 2 x %d tokens x %d",
-                 call.group_name, call.world_size, max_tokens, call.hidden)
-        return None
-
-    def run_moe_combine(self, call, rows, scale, index, top_k, scale_first, residual, weight, eps, quant_scale,
-                        shared=None, routed_scale=1.0, input_scale=1.0):
-        """FlashInfer's MoE finalize: out[t] = sum_k scale[t, k] * rows[index[t, k]] (+ shared[t], its
-        `shared_expert_output`, added in the activation dtype before the reduction), all-reduced,
-        + residual, RMSNorm, in one kernel.
-        On the group's finalize workspaces, taken in turn (`FinalizeWorkspaces`).
-        index goes in as int32 [T, K]; the weights as [T, K] in the activation dtype (a per-row
-        scale is gathered to token order first; fp32 router weights are rounded: the kernel's
-        scale type is the activation type, and so is its accumulator). The kernel's one number,
-        `routed_scaling_factor`, multiplies the routed sum before `shared` is added: it takes
-        routed_scale * input_scale, and `shared` is multiplied by input_scale, since
-        AR(routed * a + shared) * b = AR(routed * (a * b) + shared * b)."""
-        finalize = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_moe_finalize_allreduce_fusion
-        state = self._groups[call.group_name]
-        tokens, hidden = call.tokens, call.hidden
-        flat_scale = scale.reshape(-1)
-        expert_scale = (flat_scale[index] if scale_first else flat_scale).reshape(tokens, top_k)
-        expanded_to_permuted = index.reshape(tokens, top_k).to(torch.int32).contiguous()
-        if residual is not None:
-            residual_in = flatten_tokens(residual)
-        elif call.dtype in state.zeros:
-            residual_in = state.zeros[call.dtype][: tokens * hidden].view(tokens, hidden)
-        else:  # first use of a residual-free site inside a capture: a memset in the graph
-            residual_in = torch.zeros(tokens, hidden, dtype=call.dtype, device=rows.device)
-        residual_out = torch.empty(tokens, hidden, dtype=call.dtype, device=rows.device)
-        norm_out = torch.empty_like(residual_out)
-        routed = float(routed_scale * input_scale)
-        shared_in = shared if shared is None or input_scale == 1.0 else shared * input_scale
-        group = dist.distributed_c10d._resolve_process_group(call.group_name)
-        finalize(
-            allreduce_in=flatten_tokens(rows), residual_in=residual_in, norm_weight=weight.contiguous(),
-            expanded_idx_to_permuted_idx=expanded_to_permuted, norm_out=norm_out, residual_out=residual_out,
-            quant_out=None, scale_out=None, workspace_ptrs=state.finalize.next().workspace_tensor,
-            launch_with_pdl=self.launch_with_pdl, world_rank=group.rank(), world_size=group.size(),
-            eps=float(eps), shared_expert_output=None if shared is None else flatten_tokens(shared_in).contiguous(),
-            expert_scale_factor=expert_scale.to(call.dtype).contiguous(),
-            routed_scaling_factor=None if routed == 1.0 else routed,
-            weight_bias=1.0 if call.site.norm == "gemma_rms" else None)
-        produced = {"residual": residual_out, "norm": norm_out}
-        return [produced[name] for name in call.site.outputs()]
-
-    # ------------------------------------------------------------- quantized all-reduce
-
-    def quantized_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
-        facts = device_facts(runtime.device_index(call.device))
-        return dispatch.quantized_min_bytes(facts.sm[0], facts.name, call.world_size, call.hidden, call.dtype,
-                                            level)
-
-    def quantized_problem(self, call: Call, level: str) -> str | None:
-        """flashinfer.comm.quantized_allreduce's own limits (0.7.2.post1)."""
-        if call.dtype != torch.bfloat16:
-            return f"FlashInfer's quantized all-reduce takes bfloat16 only, not {call.dtype}"
-        if call.world_size not in WORLD_SIZES:  # its stripe (4096) must split evenly: 2, 4, 8, 16
-            return f"FlashInfer's quantized all-reduce needs a power-of-two world size <= 16, not {call.world_size}"
-        if call.hidden % 8:
-            return f"hidden size {call.hidden} is not a multiple of 8"
-        if device_facts(runtime.device_index(call.device)).sm[0] < 9:
-            return "FlashInfer's quantized all-reduce needs SM90+ (FP8)"
-        if call.nbytes is not None and call.nbytes > dispatch.QUANTIZED_MAX_BYTES:
-            return f"{call.nbytes} bytes per rank > {dispatch.QUANTIZED_MAX_BYTES} (largest size measured)"
-        return None
-
-    def prepare_quantized(self, call: Call, level: str) -> str | None:
-        state = self._groups.current(call.group_name)
-        if state.quantized_failed or state.quantized_ready:
-            return state.quantized_failed
-        if runtime.capturing():
-            return ("the quantized all-reduce's buffer is never created during CUDA-graph capture: run "
-                    "the model once eagerly first")
-        return outside_graph_pools(call.device, lambda: self._create_quantized_buffer(state, call))
-
-    def _create_quantized_buffer(self, state: _GroupState, call: Call) -> str | None:
-        """Collective over the call's group. FlashInfer allocates its symmetric buffer at the first
-        call and again whenever a larger message comes; one warm-up call at the largest size this
-        backend quantizes makes it once, here, outside CUDA-graph pools, and builds the kernel."""
-        group = dist.distributed_c10d._resolve_process_group(call.group_name)
-        comm_dev = comm_device(group, call.device)
-        started = time.perf_counter()
-        problem = None
-        try:
-            module = importlib.import_module("flashinfer.comm.quantized_allreduce")
-        except Exception as e:
-            problem = f"flashinfer.comm.quantized_allreduce unavailable: {type(e).__name__}: {e}"
-        if not all_ranks_agree(problem is None, group, comm_dev):
-            state.quantized_failed = problem or "the quantized all-reduce is unavailable on another rank"
-            return state.quantized_failed
-        try:
-            warm = torch.zeros(dispatch.QUANTIZED_MAX_BYTES // 2, dtype=torch.bfloat16, device=call.device)
-            module.quantized_all_reduce(warm, group, output=torch.empty_like(warm))
-            del warm
-        except Exception as e:  # e.g. no symmetric memory (no NVSwitch / P2P): every rank learns below
-            problem = f"FlashInfer quantized all-reduce set-up failed: {type(e).__name__}: {e}"
-        if not all_ranks_agree(problem is None, group, comm_dev):
-            state.quantized_failed = problem or "FlashInfer quantized all-reduce set-up failed on another rank"
-            return state.quantized_failed
-        state.quantized_ready = True
-        log.info("arfusion: FlashInfer quantized all-reduce for group %s (world %d) ready in %.1fs (buffer for "
-                 "%.0f MiB per rank)", call.group_name, group.size(), time.perf_counter() - started,
-                 dispatch.QUANTIZED_MAX_BYTES / dispatch.MiB)
-        return None
-
-    def quantized_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
-        # Triton specialises the kernel per message size: the first call at a new size compiles
-        # it (eager warm-up, as cudagraph trees and torch.compile do before capturing).
-        module = importlib.import_module("flashinfer.comm.quantized_allreduce")
-        return module.quantized_all_reduce(x, dist.distributed_c10d._resolve_process_group(call.group_name))
-
     def workspace(self, group_name: str):
         """The live workspace of a group, or None (benchmarks use it to call FlashInfer directly)."""
         state = self._groups.get(group_name)
@@ -604,61 +424,6 @@ def _environment_problem(index: int) -> str | None:
     return None
 
 
-_exchanges: dict[str, int] = {}  # workspace creations per group name: the same count on every rank
-
-
-@functools.cache
-def _guarded_backend_class():
-    """FlashInfer's TorchDistBackend with an arrival check before each collective (see
-    dispatch.WORKSPACE_EXCHANGE_TIMEOUT_S); None where FlashInfer has no such class."""
-    try:
-        base = importlib.import_module("flashinfer.comm.mnnvl").TorchDistBackend
-    except (ImportError, AttributeError):
-        return None
-
-    class ArrivalCheckedBackend(base):
-        def __init__(self, group, prefix: str):
-            super().__init__(group=group)
-            self._rank, self._size = group.rank(), group.size()
-            self._prefix, self._steps = prefix, 0
-            self._store = dist.distributed_c10d._get_default_store()
-
-        def _arrive(self) -> None:
-            """Every rank of the group has reached this collective, or raise after the timeout
-            (a peer failed before it: better an error here than a wait in the collective)."""
-            self._steps += 1
-            key = f"{self._prefix}/{self._steps}"
-            self._store.set(f"{key}/{self._rank}", b"1")
-            try:
-                self._store.wait([f"{key}/{r}" for r in range(self._size)],
-                                 timedelta(seconds=dispatch.WORKSPACE_EXCHANGE_TIMEOUT_S))
-            except Exception as e:
-                raise RuntimeError(f"a peer did not reach FlashInfer's handle exchange within "
-                                   f"{dispatch.WORKSPACE_EXCHANGE_TIMEOUT_S:.0f} s (it failed before): {e}") from e
-
-        def allgather(self, data):
-            self._arrive()
-            return super().allgather(data)
-
-        def bcast(self, data, root):
-            self._arrive()
-            return super().bcast(data, root)
-
-        def barrier(self):
-            self._arrive()
-            return super().barrier()
-
-    return ArrivalCheckedBackend
-
-
-def _exchange_backend(group, group_name: str):
-    cls = _guarded_backend_class()
-    if cls is None:
-        return None
-    _exchanges[group_name] = _exchanges.get(group_name, 0) + 1
-    return cls(group, f"arfusion/flashinfer-exchange/{group_name}/{_exchanges[group_name]}")
-
-
 def _build_kernels() -> str | None:
     """Import FlashInfer and build/load its comm kernels (JIT; minutes on a cold cache)."""
     try:
@@ -667,10 +432,6 @@ def _build_kernels() -> str | None:
     except Exception as e:
         return f"FlashInfer kernels unavailable: {type(e).__name__}: {e}"
     return None
-
-
-# Facts each rank contributes to the verdict, in this order.
-_FACTS = ("host", "device_uuid", "sm", "table")
 
 
 def _free_device_bytes(device: torch.device) -> int | None:
@@ -685,48 +446,12 @@ def _memory_problem(device: torch.device, needed: int) -> str | None:
     return None
 
 
+def _local_gpus() -> dict[int, int]:
+    """This process's GPUs: hash of the uuid -> device index."""
+    return {hash63(device_facts(i).uuid): i for i in range(torch.cuda.device_count())}
+
+
 def _rank_facts(index: int) -> list[int]:
     facts = device_facts(index)
     return [hash63(socket.gethostname()), hash63(facts.uuid), facts.sm[0] * 10 + facts.sm[1],
             hash63(dispatch.table_hash())]
-
-
-def _group_verdict(local_problem: str | None, facts: list[int], group, comm_device) -> str | None:
-    """None if this rank sees no reason against using FlashInfer with this group.
-
-    Gathers every rank's facts (a failed rank sends zeros), so the checks below see the same
-    data on every rank; only the P2P query is local, and `all_ranks_agree` settles that.
-    """
-    mine = torch.tensor([0 if local_problem else 1, *(facts or [0] * len(_FACTS))],
-                        dtype=torch.int64, device=comm_device)
-    rows = [torch.empty_like(mine) for _ in range(group.size())]
-    dist.all_gather(rows, mine, group=group)
-    table = [row.tolist() for row in rows]
-    if local_problem:
-        return local_problem
-    if any(row[0] == 0 for row in table):
-        return "FlashInfer kernels or memory unavailable on another rank of the group"
-    host, uuid, sm, tables = (set(col) for col in list(zip(*table))[1:])
-    if len(host) > 1:
-        return "the group spans nodes (FlashInfer's trtllm all-reduce is single-node only)"
-    if len(uuid) < len(table):
-        return "two ranks of the group share one GPU"
-    if len(sm) > 1:
-        return "the group mixes GPU models"
-    if len(tables) > 1:
-        return "ranks read different dispatch tables (tuned cache differs)"
-    return _p2p_problem([row[2] for row in table])
-
-
-def _p2p_problem(peer_uuid_hashes: list[int]) -> str | None:
-    local_by_uuid = {hash63(device_facts(i).uuid): i for i in range(torch.cuda.device_count())}
-    me = torch.cuda.current_device() if local_by_uuid else -1
-    for peer in peer_uuid_hashes:
-        index = local_by_uuid.get(peer)
-        if index is None:
-            # The peer GPU is hidden from this process (per-rank CUDA_VISIBLE_DEVICES): workspace
-            # creation maps its memory and fails cleanly if there is no path.
-            continue
-        if index != me and not torch.cuda.can_device_access_peer(me, index):
-            return f"no P2P access between GPU {me} and GPU {index}"
-    return None

@@ -12,7 +12,7 @@ site hangs the same way, the hang is the shared GPU's (ranks time-sliced), not t
 Then CUDA graphs of the MoE op, each replayed three times back to back: one MoE call + one plain
 site (a decoder layer's order), two MoE calls, and last one MoE call alone: the order that
 arfusion's two finalize workspaces leave open (FinalizeWorkspaces in
-arfusion/backends/flashinfer.py), expected to hang here, where a peer is always late.
+arfusion/backends/flashinfer_moe.py), expected to hang here, where a peer is always late.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ TOL = 2e-2
 SAMPLES, REPLAYS = 25, 20
 # Calls per captured graph, for every variant alike: an even number of MoE finalize calls, so a
 # graph replayed back to back never starts on the workspace it ended on (FinalizeWorkspaces in
-# arfusion/backends/flashinfer.py: the one order its two workspaces do not make safe).
+# arfusion/backends/flashinfer_moe.py: the one order its two workspaces do not make safe).
 CALLS_PER_GRAPH = 2
 SITE = Site(residual=True, norm="rms")
 
