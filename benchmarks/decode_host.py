@@ -21,6 +21,7 @@ and single kernel launches from the host, per token by the same difference, and 
 from __future__ import annotations
 
 import contextlib
+import statistics
 
 import torch
 import torch._dynamo.utils
@@ -104,6 +105,12 @@ def generate_call(b, name: str):
     return call
 
 
+def median_counts(tallies: list[dict]) -> dict:
+    """Each count's median over calls: what a call typically does."""
+    keys = {k for t in tallies for k in t}
+    return {k: statistics.median(t.get(k, 0) for t in tallies) for k in keys}
+
+
 def profile_call(call, n: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -120,21 +127,22 @@ def measure(b, call, fresh_per_length: bool, reset, progress) -> dict:
     long_n, short_n = max(b.args.lengths), min(b.args.lengths)
     counters = torch._dynamo.utils.counters
     graphs0 = counters["stats"]["unique_graphs"]
-    samples, work = {long_n: [], short_n: []}, {long_n: {}, short_n: {}}
-    out = {}
+    samples, work = {long_n: [], short_n: []}, {long_n: [], short_n: []}
+    out, compiled_in_first = {}, []
 
     def timed(n):
         tally = {}
         with cudagraph_tree_work(tally):
             samples[n].append(wall_ms(lambda: call(n), b.device))
-        work[n] = tally  # the last call's (the same every call once recorded)
+        work[n].append(tally)
         progress.update(f"{n} tokens {samples[n][-1]:.0f} ms")
 
     def first(n):
-        fused = arfusion.stats()["fused_sites"]
+        fused, graphs = arfusion.stats()["fused_sites"], counters["stats"]["unique_graphs"]
         ms = wall_ms(lambda: call(n), b.device)  # compiles, records graphs
         out.setdefault("first_call_s", {})[str(n)] = round(ms / 1e3, 2)
         out.setdefault("fused_sites_per_compile", []).append(arfusion.stats()["fused_sites"] - fused)
+        compiled_in_first.append(counters["stats"]["unique_graphs"] - graphs)
         progress.update(f"first call {ms / 1e3:.1f} s")
 
     dist.barrier()
@@ -149,10 +157,14 @@ def measure(b, call, fresh_per_length: bool, reset, progress) -> dict:
         for _ in range(b.args.reps):
             for n in (long_n, short_n):
                 timed(n)
-    graphs_timed = counters["stats"]["unique_graphs"]
     out.update(steady_state(samples))
-    out["cudagraph_work"] = per_token_counts(long_n, work[long_n], short_n, work[short_n])
-    out["graphs_compiled"] = graphs_timed - graphs0
+    typical = {n: median_counts(work[n]) for n in work}  # a stray re-recording is counted below
+    out["cudagraph_work"] = per_token_counts(long_n, typical[long_n], short_n, typical[short_n])
+    out["cudagraph_work_timed_calls"] = {str(n): work[n] for n in (long_n, short_n)}
+    out["rerecords_in_timed_calls"] = sum(t.get("record_function", 0) + t.get("run_eager", 0)
+                                          for n in work for t in work[n])
+    out["graphs_compiled"] = counters["stats"]["unique_graphs"] - graphs0
+    out["graphs_compiled_in_timed_calls"] = out["graphs_compiled"] - sum(compiled_in_first)
     out["compile_s"] = round(out["first_call_s"][str(long_n)] - out["call_ms"][str(long_n)] / 1e3, 2)
     if b.cuda:
         prof = {n: profile_call(call, n) for n in (long_n, short_n)}
@@ -167,7 +179,7 @@ def measure(b, call, fresh_per_length: bool, reset, progress) -> dict:
 def run_host_phase(b, kind: str) -> dict:
     """loop or generate, for each config (--configs, in --loop-order for the loop)."""
     configs = [c for c in (b.args.loop_order if kind == "loop" else ("off", "on")) if c in b.args.configs]
-    steps_per_config = 1 + 2 * b.args.reps + (1 if b.cuda else 0)
+    steps_per_config = (2 if b.args.fresh_per_length else 1) + 2 * b.args.reps + (1 if b.cuda else 0)
     progress = Progress(len(configs) * steps_per_config, f"{kind} ({', '.join(configs)})", enabled=b.rank == 0)
     result = {"lengths": sorted(b.args.lengths, reverse=True), "reps": b.args.reps, "prompt": b.args.prompt,
               "batch": 1, "mode": "reduce-overhead (cudagraph trees)" if b.cuda else "default (CPU)"}
@@ -191,7 +203,6 @@ def run_host_phase(b, kind: str) -> dict:
                     raise
                 error = f"{type(e).__name__}: {str(e)[:300]}"
                 b.say(f"{kind} {name}: {error}; again with a fresh compile per length")
-                progress.total += 2 * b.args.reps  # the retry's calls
                 row = measure(b, make(b, name), True, reset, progress)
                 row["shared_compile_error"] = error
                 fresh = True

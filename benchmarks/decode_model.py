@@ -337,11 +337,19 @@ class Bench:
 
 
 def flashinfer_version() -> str | None:
+    """The installed FlashInfer's version (a wheel's metadata, or the module's own where it was
+    unpacked without one), None where there is none."""
     import importlib.metadata
+    import importlib.util
 
     for dist_name in ("flashinfer-python", "flashinfer"):
         try:
             return importlib.metadata.version(dist_name)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return None
+    if importlib.util.find_spec("flashinfer") is None:
+        return None
+    try:
+        return getattr(__import__("flashinfer"), "__version__", None)
+    except Exception:  # a broken install: the version is not worth failing the run for
+        return None
