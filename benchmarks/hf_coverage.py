@@ -1,28 +1,17 @@
-"""Coverage over every Hugging Face architecture with a tensor-parallel plan (issue 12, item 3).
+"""Coverage over every Hugging Face architecture with a tensor-parallel plan.
 
     python benchmarks/hf_coverage.py                       # all of them, writes docs/coverage.md
     python benchmarks/hf_coverage.py --only llama,olmo2    # a subset
     python benchmarks/hf_coverage.py --tokens 1 --md docs/coverage_decode.md --json docs/data/coverage_decode.json
-                                                           # one token: a batch-1 decode step's shape
 
-For every model type of the installed transformers that has a causal-LM class and a non-empty
-`base_model_tp_plan`: a tiny config (`hf_tiny_configs.py`: 2 layers, hidden 128), random bf16
-weights written once by rank 0, loaded by 2 ranks with TP=2 on gloo (CPU). Per architecture:
-
-  1. the eager model runs once under an independent site counter (`hf_site_counter.py`: it
-     marks all-reduce outputs at dispatch and reads them at RMSNorm modules; it does not use
-     arfusion's matcher): how many all-reduce -> [residual add] -> RMSNorm sites there are;
-  2. `torch.compile` without the pass (plain Inductor);
-  3. `torch.compile` with `arfusion.enable(PassConfig(enable_allreduce_fusion=True,
-     backend="torch"))`: `arfusion.stats()` and the `arfusion` logger's "not fused" lines;
-  4. logits errors max|a-b|/max|b|: pass vs plain compile, and plain compile vs eager.
-
-The ranks are one long-lived torchrun pair that takes the architectures in turn; this driver
-watches it and, when an architecture runs past --timeout (or a rank dies), kills the pair,
-records that architecture and starts a new pair for the rest. Within a pair, both ranks compare
-their status after each step (all_gather_object) and skip the rest of an architecture together.
-
-Writes --md (docs/coverage.md) and --json (docs/data/coverage.json).
+Each causal-LM model type with a TP plan (`arfusion.check.architectures`) as a tiny config
+(`hf_tiny_configs.py`), random bf16 weights written by rank 0 and loaded by 2 gloo ranks with TP=2
+(`arfusion.check.load_tp_model`): the eager model under an independent site counter
+(`hf_site_counter.py`), plain `torch.compile`, and `torch.compile` with the pass (backend "torch",
+through `arfusion.testing.compile_and_run` as `arfusion check`); logits errors max|a-b|/max|b|.
+One torchrun pair takes the architectures in turn; past --timeout (or when a rank dies) the
+driver kills it, records the architecture and starts a new pair. The ranks agree after each step
+(all_gather_object) and skip the rest of an architecture together. Writes --md and --json.
 """
 
 from __future__ import annotations
@@ -32,7 +21,6 @@ import contextlib
 import datetime
 import io
 import json
-import logging
 import os
 import platform
 import shutil
@@ -42,82 +30,43 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]  # the arfusion next to this script, then the sweep's helpers
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+from hf_site_counter import HOW_IT_WORKS, count_sites, fmt_counts, other_shapes  # noqa: E402
+from hf_tiny_configs import tiny_config  # noqa: E402
+
+import arfusion  # noqa: E402
+from arfusion.check import architectures, load_tp_model, one_line, save_random_model  # noqa: E402
+from arfusion.hf import prepare_for_compile  # noqa: E402
+from arfusion.testing import compile_and_run, describe_rewrites  # noqa: E402
+
 TOKENS = 8  # one batch row of this many tokens; --tokens 1 is the shape of a batch-1 decode step
 TOKENS_ENV = "HF_COVERAGE_TOKENS"  # how the driver tells its ranks
+PAIR_ENV = "HF_COVERAGE_PAIR"  # marks the processes of one torchrun pair
 SEED = 0
 
 
-# ============================================================================ architectures
-def architectures() -> list[tuple[str, str | None]]:
-    """(model type, why it is skipped or None) for every causal-LM model type with a TP plan,
-    plus those with only an expert-parallel plan (a row saying so)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    out = []
-    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        try:
-            config_cls = CONFIG_MAPPING[model_type]
-        except KeyError:
-            continue
-        if getattr(config_cls, "base_model_tp_plan", None):
-            out.append((model_type, None))
-        elif getattr(config_cls, "base_model_ep_plan", None):
-            out.append((model_type, "expert-parallel plan only (no base_model_tp_plan)"))
-    return out
-
-
 # ============================================================================ worker (one rank)
-def _short(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}".replace("\n", " ")
-    return msg[:300]
-
-
-def _rel_err(a, b) -> float:
+def _max_rel_err(a, b) -> float:
     a, b = a.float(), b.float()
     return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
 
 
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-def _not_fused_reasons(lines: list[str]) -> dict[str, int]:
-    reasons = Counter()
-    for line in lines:
-        if "not fused" not in line:
-            continue
-        reason = line.split("not fused", 1)[1].lstrip(" :;-")
-        reasons[reason.strip() or line] += 1
-    return dict(reasons)
-
-
 class Worker:
     def __init__(self, progress: Path, ckpt_root: str):
-        import torch
-        import torch.distributed as dist
-
-        self.torch, self.dist = torch, dist
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.progress = progress
-        self.ckpt_root = ckpt_root
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.progress, self.ckpt_root = progress, ckpt_root
         torch.set_num_threads(1)
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
 
     def emit(self, event: dict) -> None:
         if self.rank == 0:
@@ -127,12 +76,9 @@ class Worker:
     def agree(self, status: str | None) -> str | None:
         """Every rank's error (None = fine) -> the first error any rank had, on every rank."""
         statuses = [None] * self.world
-        self.dist.all_gather_object(statuses, status)
+        dist.all_gather_object(statuses, status)
         bad = [(r, s) for r, s in enumerate(statuses) if s is not None]
-        if not bad:
-            return None
-        r, s = bad[0]
-        return s if len(bad) == self.world else f"rank {r}: {s}"
+        return None if not bad else bad[0][1] if len(bad) == self.world else f"rank {bad[0][0]}: {bad[0][1]}"
 
     def run(self, model_types: list[str]) -> None:
         for model_type in model_types:
@@ -142,51 +88,42 @@ class Worker:
             try:
                 self.one(model_type, row)
             except Exception as e:  # anything not caught by a step: the pair may be out of step now
-                row.setdefault("error", f"worker: {_short(e)}")
+                row.setdefault("error", f"worker: {one_line(e)}")
             finally:
                 self.drop_groups()
             row["seconds"] = round(time.perf_counter() - started, 1)
             self.emit({"event": "done", "arch": model_type, "row": row})
-        self.dist.barrier()
-        self.dist.destroy_process_group()
+        dist.barrier()
+        dist.destroy_process_group()
 
     def drop_groups(self) -> None:
         """Every TP load makes a device mesh with new gloo groups (5-6 threads each); without this
         a sweep ends with ~1600 threads per rank."""
-        from torch.distributed import distributed_c10d as c10d
-
-        for group in list(c10d._world.pg_map):
-            if group is not c10d.GroupMember.WORLD:
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if group is not dist.GroupMember.WORLD:
                 with contextlib.suppress(Exception):
-                    self.dist.destroy_process_group(group)
+                    dist.destroy_process_group(group)
 
-    def step(self, row: dict, name: str, fn):
-        """Run fn on every rank; if any rank fails, all record the error and return None."""
-        err, value = None, None
+    def step(self, row: dict, name: str, fn, seconds: str = ""):
+        """fn on every rank (row[seconds]: its time); where any rank fails, all record the error."""
+        err, value, started = None, None, time.perf_counter()
         try:
             value = fn()
         except Exception as e:
-            err = _short(e)
+            err = one_line(e)
             if os.environ.get("HF_COVERAGE_TRACEBACK"):
                 traceback.print_exc()
         err = self.agree(err)
         if err is not None:
             row["error"] = f"{name}: {err}"
             return None, False
+        if seconds:
+            row[seconds] = round(time.perf_counter() - started, 1)
         return value, True
 
     def one(self, model_type: str, row: dict) -> None:
-        torch, dist = self.torch, self.dist
         if os.environ.get("HF_COVERAGE_TEST_HANG") == model_type and self.rank == 1:
             time.sleep(10**6)  # tests: a rank that hangs (rank 0 then waits in the next collective)
-        import arfusion
-        from arfusion.hf import prepare_for_compile, tp_kwargs
-        from transformers import AutoModelForCausalLM
-
-        sys.path.insert(0, str(HERE))
-        from hf_site_counter import SiteCounter, classify_norms
-        from hf_tiny_configs import tiny_config
-
         config, ok = self.step(row, "config", lambda: tiny_config(model_type))
         if not ok:
             return
@@ -194,24 +131,14 @@ class Worker:
         row["config"] = {k: getattr(text_config, k, None) for k in (
             "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")}
 
-        def save():
-            path = [None]
-            if self.rank == 0:
-                torch.manual_seed(SEED)
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-                path[0] = tempfile.mkdtemp(prefix=f"cov-{model_type}-", dir=self.ckpt_root)
-                model.save_pretrained(path[0])
-                del model
-            return path
-
-        path, ok = self.step(row, "save", save)
+        path, ok = self.step(row, "save", lambda: [save_random_model(config, tempfile.mkdtemp(
+            prefix=f"cov-{model_type}-", dir=self.ckpt_root), seed=SEED) if self.rank == 0 else None])
         if not ok:
             return
         dist.broadcast_object_list(path, src=0)
         path = path[0]
         try:
-            model, ok = self.step(row, "load", lambda: AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.bfloat16, **tp_kwargs("auto")).eval())
+            model, ok = self.step(row, "load", lambda: load_tp_model(path))
             if ok:
                 prepare_for_compile(model)  # graph breaks in HF code: q/k norm hooks (<= 5.17), looped experts
         finally:
@@ -223,94 +150,40 @@ class Worker:
 
         tokens = int(os.environ.get(TOKENS_ENV, TOKENS))
         ids = torch.randint(0, text_config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
+        inputs = {"input_ids": ids, "use_cache": False}
 
         def forward(m):
             with torch.no_grad():
-                out = m(input_ids=ids, use_cache=False)
+                out = m(**inputs)
             return out.logits.float()
 
-        # 1. eager, counted
-        def counted():
-            kinds = classify_norms(model, text_config.hidden_size)
-            counter = SiteCounter()
-            counter.hook_norms(model, kinds)
-            try:
-                with counter:
-                    logits = forward(model)
-            except Exception as e:
-                counter.remove_hooks()
-                forward(model)  # fails too: the model's own error (reported as "eager: ...")
-                raise RuntimeError(f"the site counter failed, the model alone did not: {_short(e)}") from e
-            finally:
-                counter.remove_hooks()
-            summary = counter.summary()
-            summary["norm_kinds"] = dict(Counter(f"{type(m).__name__}: {kinds[n]}" for n, m in model.named_modules()
-                                                 if n in kinds))
-            summary["calls"] = counter.norm_calls
-            return logits, summary
+        def compiled(config):  # plain Inductor (config None), or with the pass
+            torch._dynamo.reset()
+            with torch.no_grad():
+                report = compile_and_run(model, kwargs=inputs, config=config)
+            return report.output.logits.float(), report
 
         t0 = time.perf_counter()
-        res, ok = self.step(row, "eager", counted)
+        res, ok = self.step(row, "eager", lambda: count_sites(model, forward, text_config.hidden_size))
         if not ok:
             return
         eager, row["counter"] = res
-        row["eager_s"] = round(time.perf_counter() - t0, 1)
-        row["sites"] = row["counter"]["sites"]
-
-        # 2. plain compile
-        def compiled(with_pass: bool):
-            torch._dynamo.reset()
-            torch._inductor.config.fx_graph_cache = False
-            arfusion.reset_stats()
-            if with_pass:
-                arfusion.enable(arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch"))
-            else:
-                arfusion.disable()
-            log = logging.getLogger("arfusion")
-            handler = _Collect()
-            log.addHandler(handler)
-            old_level = log.level
-            log.setLevel(logging.INFO)
-            try:
-                logits = forward(torch.compile(model))
-            finally:
-                log.removeHandler(handler)
-                log.setLevel(old_level)
-                arfusion.disable()
-            return logits, arfusion.stats(), handler.lines
-
-        t0 = time.perf_counter()
-        res, ok = self.step(row, "compile", lambda: compiled(False))
+        row["eager_s"], row["sites"] = round(time.perf_counter() - t0, 1), row["counter"]["sites"]
+        res, ok = self.step(row, "compile", lambda: compiled(None), "compile_s")
         if not ok:
             return
-        plain, _, _ = res
-        row["compile_s"] = round(time.perf_counter() - t0, 1)
-        row["err_compile_vs_eager"] = _rel_err(plain, eager)
-
-        # 3. compile with the pass
-        t0 = time.perf_counter()
-        res, ok = self.step(row, "compile+pass", lambda: compiled(True))
+        plain, _ = res
+        row["err_compile_vs_eager"] = _max_rel_err(plain, eager)
+        res, ok = self.step(row, "compile+pass", lambda: compiled(
+            arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")), "pass_s")
         if not ok:
             return
-        fused_logits, stats, lines = res
-        row["pass_s"] = round(time.perf_counter() - t0, 1)
-        row["fused"] = stats["fused_sites"]
-        row["by_pattern"] = stats["by_pattern"]
-        row["unfused_sites"] = stats.get("unfused_sites")
-        row["why_not"] = stats.get("why_not", {})
-        row["rewrites"] = {k: stats[k] for k in REWRITES if stats.get(k)}
-        row["graphs"] = stats.get("graphs")
-        row["not_fused_log"] = _not_fused_reasons(lines)
-        row["log"] = [ln for ln in lines if "fused" in ln][:20]
-        row["err_pass_vs_compile"] = _rel_err(fused_logits, plain)
-        row["err_pass_vs_eager"] = _rel_err(fused_logits, eager)  # in the JSON: is the pass nearer the model?
+        fused_logits, report = res
+        row.update(report.summary())
+        row["err_pass_vs_compile"] = _max_rel_err(fused_logits, plain)
+        row["err_pass_vs_eager"] = _max_rel_err(fused_logits, eager)  # in the JSON: is the pass nearer the model?
         del model
         torch._dynamo.reset()
-
-
-def worker_main(args) -> None:
-    w = Worker(Path(args.progress), args.ckpt_root)
-    w.run(args.archs.split(","))
 
 
 # ============================================================================ driver
@@ -322,28 +195,25 @@ def _launch(archs: list[str], progress: Path, ckpt_root: str, log_file) -> subpr
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(Path(__file__).resolve()), "--worker", "--archs", ",".join(archs),
            "--progress", str(progress), "--ckpt-root", ckpt_root]
-    return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    env[PAIR_ENV] = f"{os.getpid()}-{time.monotonic_ns()}"  # every process of the pair inherits it: _kill's mark
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc.pair = env[PAIR_ENV]
+    return proc
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+def processes_with_env(entry: bytes) -> list[int]:
+    """Processes whose environment holds `entry` (b"NAME=value")."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as f:
+            if entry in f.read().split(b"\0"):
+                found.append(int(pid))
+    return found
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """torchrun and its ranks (which torchrun starts in sessions of their own)."""
-    pids = [proc.pid] + _descendants(proc.pid)
-    for pid in pids:
+    """torchrun and its ranks (which torchrun starts in sessions of their own): every process of the pair."""
+    for pid in {proc.pid, *processes_with_env(f"{PAIR_ENV}={proc.pair}".encode())}:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
@@ -353,34 +223,33 @@ def sweep(archs: list[str], timeout: float, log_path: Path, show_progress: bool 
     """Run the architectures on torchrun pairs; restart a pair past a hung or dead architecture."""
     from tqdm import tqdm
 
-    rows: dict[str, dict] = {}
-    todo = list(archs)
+    rows, todo = {}, list(archs)
     bar = tqdm(total=len(archs), unit="arch", disable=not show_progress, file=sys.stderr)
     ckpt_root = tempfile.mkdtemp(prefix="arfusion-coverage-")
+
+    def done(arch: str, row: dict, note: str) -> None:
+        rows[arch] = row
+        todo.remove(arch)
+        bar.update(1)
+        bar.write(f"{arch:>24}: {note}")
+
     with open(log_path, "w") as log_file:
         while todo:
             progress = Path(tempfile.mktemp(prefix="progress-", suffix=".jsonl", dir=ckpt_root))
             progress.touch()
             proc = _launch(todo, progress, ckpt_root, log_file)
-            current, current_t, seen = None, time.time(), 0
-            failure = None
+            current, current_t, seen, failure = None, time.time(), 0, None
             while True:
                 time.sleep(0.5)
                 lines = progress.read_text().splitlines()
-                for line in lines[seen:]:
-                    event = json.loads(line)
+                for event in map(json.loads, lines[seen:]):
                     if event["event"] == "start":
                         current, current_t = event["arch"], time.time()
                         bar.set_postfix_str(current)
-                    else:
-                        rows[event["arch"]] = event["row"]
-                        todo.remove(event["arch"])
-                        current = None
-                        bar.update(1)
-                        row = event["row"]
-                        bar.write(f"{event['arch']:>24}: sites {row.get('sites', '-')}, fused "
-                                  f"{row.get('fused', '-')}, {row['seconds']} s"
-                                  + (f"  [{row['error'][:90]}]" if row.get("error") else ""))
+                        continue
+                    row, current = event["row"], None
+                    done(event["arch"], row, f"sites {row.get('sites', '-')}, fused {row.get('fused', '-')}, "
+                         f"{row['seconds']} s" + (f"  [{row['error'][:90]}]" if row.get("error") else ""))
                 seen = len(lines)
                 if proc.poll() is not None:
                     if current is not None:
@@ -391,17 +260,11 @@ def sweep(archs: list[str], timeout: float, log_path: Path, show_progress: bool 
                     _kill(proc)
                     break
             if failure is not None:
-                rows[current] = {"model_type": current, "error": failure,
-                                 "seconds": round(time.time() - current_t, 1)}
-                todo.remove(current)
-                bar.update(1)
-                bar.write(f"{current:>24}: {failure}")
-            elif todo and proc.returncode != 0:
-                # died between architectures: count it against the next one so the sweep ends
-                nxt = todo.pop(0)
-                rows[nxt] = {"model_type": nxt, "error": f"rank process exited (code {proc.returncode}) before it",
-                             "seconds": 0.0}
-                bar.update(1)
+                done(current, {"model_type": current, "error": failure, "seconds": round(time.time() - current_t, 1)},
+                     failure)
+            elif todo and proc.returncode != 0:  # died between architectures: the next one takes it, the sweep ends
+                done(todo[0], {"model_type": todo[0], "seconds": 0.0,
+                               "error": f"rank process exited (code {proc.returncode}) before it"}, "rank exited")
     bar.close()
     shutil.rmtree(ckpt_root, ignore_errors=True)
     return rows
@@ -412,122 +275,39 @@ def _fmt_err(x) -> str:
     return "-" if x is None else f"{x:.1e}"
 
 
-def _fmt_counts(d: dict) -> str:
-    return ", ".join(f"{k} ×{v}" if v > 1 else k for k, v in sorted(d.items())) if d else ""
-
-
 def why_not(row: dict) -> str:
     if row.get("error"):
         return row["error"]
-    parts = []
-    if row.get("why_not"):
-        parts.append(_fmt_counts(row["why_not"]))
-    elif row.get("not_fused_log"):
-        parts.append(_fmt_counts(row["not_fused_log"]))
-    elif row.get("sites", 0) > (row.get("fused") or 0):
-        parts.append(f"{row.get('unfused_sites', '?')} all_reduce left unfused, no reason logged")
-    return "; ".join(parts)
-
-
-def other_shapes(row: dict) -> str:
-    c = row.get("counter") or {}
-    parts = []
-    if c.get("other_shapes"):
-        parts.append(_fmt_counts(c["other_shapes"]))
-    if c.get("gated_norm_lookalikes"):
-        parts.append("gated norm: " + _fmt_counts(c["gated_norm_lookalikes"]))
-    if c.get("layernorm_lookalikes"):
-        parts.append("LayerNorm: " + _fmt_counts(c["layernorm_lookalikes"]))
-    if c.get("all_reduces_not_reaching_a_norm"):
-        parts.append("no norm: " + _fmt_counts(c["all_reduces_not_reaching_a_norm"]))
-    return "; ".join(parts)
+    if row.get("why_not") or row.get("not_fused_log"):
+        return fmt_counts(row.get("why_not") or row["not_fused_log"])
+    if row.get("sites", 0) > (row.get("fused") or 0):
+        return f"{row.get('unfused_sites', '?')} all_reduce left unfused, no reason logged"
+    return ""
 
 
 def summary(rows: list[dict]) -> dict:
     ran = [r for r in rows if "sites" in r]
     compiled = [r for r in ran if "fused" in r]
-    return {
-        "architectures": len(rows),
-        "counted": len(ran),
-        "compiled_with_pass": len(compiled),
-        "sites": sum(r["sites"] for r in ran),
-        "fused": sum(r.get("fused", 0) for r in compiled),
-        "fully_fused": sum(1 for r in compiled if r["sites"] > 0 and r["fused"] >= r["sites"]),
-        "with_sites": sum(1 for r in ran if r["sites"] > 0),
-        "failed": sum(1 for r in rows if r.get("error")),
-    }
+    return {"architectures": len(rows), "counted": len(ran), "compiled_with_pass": len(compiled),
+            "sites": sum(r["sites"] for r in ran), "fused": sum(r.get("fused", 0) for r in compiled),
+            "fully_fused": sum(1 for r in compiled if r["sites"] > 0 and r["fused"] >= r["sites"]),
+            "with_sites": sum(1 for r in ran if r["sites"] > 0), "failed": sum(1 for r in rows if r.get("error"))}
 
 
 NOISY_ERR = 2e-2  # the logits bar of the MoE issue; rows above it get a line in the header
 ROW_HEADER = ("| model type | sites (counter) | fused | other AR shapes / look-alikes | all-reduces rewritten "
               "| err pass vs compile | err compile vs eager | why not |")
-# stats() counters of the MoE rewrites, and how the table names them
-REWRITES = {"summed_all_reduces_merged": "merged", "gated_all_reduces_merged": "of them gated",
-            "sums_moved_before_all_reduce": "sum moved before",
-            "scaled_sums_distributed": "scaled sum split",
-            "scaled_all_reduces_fused": "scaled (factor in the op)",
-            "moe_combines_fused": "top-k combine fused"}
-
-
-def rewrites(row: dict) -> str:
-    return ", ".join(f"{v} {REWRITES[k]}" for k, v in (row.get("rewrites") or {}).items())
 
 
 def table_row(row: dict) -> str:
     cells = [f"`{row['model_type']}`", str(row.get("sites", "-")), str(row.get("fused", "-")),
-             other_shapes(row), rewrites(row), _fmt_err(row.get("err_pass_vs_compile")), _fmt_err(row.get("err_compile_vs_eager")),
-             why_not(row)]
+             other_shapes(row.get("counter") or {}), describe_rewrites(row.get("rewrites") or {}),
+             _fmt_err(row.get("err_pass_vs_compile")), _fmt_err(row.get("err_compile_vs_eager")), why_not(row)]
     return "| " + " | ".join(c.replace("|", "/") for c in cells) + " |"
 
 
-HOW_IT_WORKS = """\
-## How the counter works
-
-`benchmarks/hf_site_counter.py` counts sites in the **eager** model and imports nothing from
-arfusion, so it checks the matcher rather than repeating it.
-
-- A `TorchDispatchMode` marks the tensors all-reduces produce: HF's in-place
-  `dist.all_reduce(t, group=...)` dispatches as `c10d.allreduce_`, DTensor/funcol as
-  `_c10d_functional.all_reduce` (+ `wait_tensor`).
-- A mark follows view/reshape-only ops (view, reshape, squeeze, clone, contiguous) and adds:
-  the mark of a sum counts its terms (all-reduced terms, other full-size terms, broadcast terms,
-  all-reduced terms multiplied by a scalar `ar*s` or by a broadcast tensor such as a per-token
-  gate `ar*g`; × 1.0, a multiplier left at its default, is no scale). A dtype conversion keeps
-  the mark but flags it `(dtype cast)`.
-- Forward pre-hooks on norm modules read the mark of the norm's input. A norm ends a chain:
-  the tensor it read counts as a plain residual afterwards.
-- Which modules are RMSNorm is decided by running each norm class once on a random input
-  (weights randomised on a copy) and comparing with x/rms(x)·w, x/rms(x)·(1+w), x/rms(x),
-  LayerNorm and LayerNorm·(1+w) (look-alikes). Grouped norms, gated norms whose gate is not
-  optional, and norms that return a factor come out as "other" and are not hooked; a norm
-  called with a second tensor (a gate) is reported as a gated-norm look-alike.
-- **Sites** = RMSNorm calls whose input is one all-reduce [views] with at most one add:
-  `ar` (all-reduce → norm), `ar+add` (all-reduce + residual → norm), `ar+ar` (the sum of two
-  all-reduces normed without a residual, e.g. a MoE block's own post-norm: the second is an
-  all-reduce + "residual" like any other), and `ar*s`, `ar*s+add` (the all-reduce scaled by a
-  scalar first: Granite's multipliers, MiniCPM's depth scale, Gemma's embedding normaliser).
-  Other shapes are listed, not counted: `ar+ar+add`
-  (routed + shared experts, both all-reduced, then the residual), `ar+replicated+add` (an extra
-  non-all-reduced term, e.g. a replicated shared expert), `ar*s+replicated+add` and the like,
-  `ar*g…`, `ar+bias…`, `… (dtype cast)`,
-  `ar+add×N` (a chain of residual adds, e.g. a post-norm model's embedding all-reduce reaching the
-  final norm). "no norm" lists all-reduces whose value never reached a norm, with the op that
-  consumed it.
-
-Limits: it sees only what runs in the eager forward of this tiny config (2 layers; the layer
-kinds kept are those of the first layer and of the first layer that differs from it, so e.g. a
-hybrid model's third kind of layer is not seen); a norm written inline (not a module) is not
-hooked: its all-reduce shows under "no norm"; a reduction (Llama-4's sum over experts of
-all-reduced rows) ends a mark; it counts module calls, so a norm module applied twice counts
-twice. Every row is one forward of one batch row (its tokens are in the header); the counter is
-not a proof that the compiled graph has the same shape (Inductor's decompositions can differ), which is what the "fused"
-column then shows.
-"""
-
-
 def with_update(meta: dict, run: dict, rows: list[str]) -> dict:
-    """The report's meta after `run` (--update) reran `rows`: the other rows are still the first
-    sweep's, so its header stays and each update says which rows it reran, from which tree."""
+    """The meta after `run` (--update) reran `rows`: the first sweep's header stays, each update is named."""
     update = {**run, "command": f"{run['command']} --update", "rows": rows}
     return {**meta, "updates": [*meta.get("updates", []), update]}
 
@@ -544,31 +324,27 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
     w(f"**{s['architectures']} architectures, {s['sites']} sites (counter), {s['fused']} fused, "
       f"{s['fully_fused']} fully fused** (of {s['with_sites']} with at least one site; "
       f"{s['failed']} did not complete).\n\n")
-    w(f"- command: `{meta['command']}`\n")
-    w(f"- date: {meta['date']}; wall time {meta['wall_s'] / 60:.1f} min\n")
-    w(f"- torch {meta['torch']}, transformers {meta['transformers']}, arfusion {meta['arfusion']} "
-      f"(commit {meta['commit']})\n")
+    w(f"- command: `{meta['command']}`\n- date: {meta['date']}; wall time {meta['wall_s'] / 60:.1f} min\n- torch "
+      f"{meta['torch']}, transformers {meta['transformers']}, arfusion {meta['arfusion']} (commit {meta['commit']})\n")
     for u in meta.get("updates", []):
         w(f"- rows {', '.join(f'`{m}`' for m in u['rows'])} rerun: `{u['command']}`, {u['date']}, "
           f"{u['wall_s'] / 60:.1f} min, torch {u['torch']}, transformers {u['transformers']} (commit {u['commit']})\n")
-    w(f"- machine: {meta['machine']}; TP=2 on gloo, bf16, random weights, 2 layers, hidden 128, "
-      f"1 × {meta.get('tokens', TOKENS)} tokens; each model loaded with `tp_plan=\"auto\"`, then "
-      "`arfusion.hf.prepare_for_compile(model)` as the README asks of users (it removes graph "
-      "breaks in transformers' own code: looped experts, q/k-norm gradient hooks)\n")
-    w("- columns: *sites* = all-reduce [views] [+ residual] → RMSNorm calls counted in the eager "
-      "model (see below); *fused* = `arfusion.stats()['fused_sites']` with "
-      "`PassConfig(enable_allreduce_fusion=True, backend=\"torch\")`; *all-reduces rewritten* = MoE "
-      "ends changed before matching (`merged`: AR(a) + AR(b) became one all-reduce, one collective "
-      "fewer per layer; `sum moved before`: sum(AR(x)) became AR(sum(x)); `scaled sum split`: "
-      "(AR(a) + b) * f became AR(a) * f + b * f; `scaled (factor in the op)`: f * AR(x) sites whose op "
-      "takes f, a number or a 0-d tensor; `top-k combine fused`: the expert combine runs inside the "
-      "site's op). *fused* can exceed *sites*: merged and split all-reduces give sites the counter "
-      "files under other shapes, and the counter does not see Gemma's embedding all-reduce (its 0-d "
-      "normaliser: fused here); errors are max|a−b|/max|b| of "
-      "the logits (pass vs plain `torch.compile`, plain `torch.compile` vs eager: Inductor alone "
-      "deviates on some MoE models, where a top-k router can turn a last-bit difference into another "
-      "expert); *why not* = `stats()['why_not']`, else the `arfusion` logger's \"not fused\" lines, "
-      "else the error that stopped the row.\n\n")
+    w(f"- machine: {meta['machine']}; TP=2 on gloo, bf16, random weights, 2 layers, hidden 128, 1 × "
+      f"{meta.get('tokens', TOKENS)} tokens; each model loaded with `tp_plan=\"auto\"`, then `arfusion.hf.prepare_for_"
+      "compile(model)` as the README asks of users (it removes graph breaks in transformers' own code: looped "
+      "experts, q/k-norm gradient hooks)\n")
+    w("- columns: *sites* = all-reduce [views] [+ residual] → RMSNorm calls counted in the eager model (see "
+      "below); *fused* = `arfusion.stats()['fused_sites']` with `PassConfig(enable_allreduce_fusion=True, "
+      "backend=\"torch\")`; *all-reduces rewritten* = MoE ends changed before matching (`merged`: AR(a) + AR(b) "
+      "became one all-reduce, one collective fewer per layer; `sum moved before`: sum(AR(x)) became AR(sum(x)); "
+      "`scaled sum split`: (AR(a) + b) * f became AR(a) * f + b * f; `scaled (factor in the op)`: f * AR(x) sites "
+      "whose op takes f, a number or a 0-d tensor; `top-k combine fused`: the expert combine runs inside the "
+      "site's op). *fused* can exceed *sites*: merged and split all-reduces give sites the counter files under "
+      "other shapes, and the counter does not see Gemma's embedding all-reduce (its 0-d normaliser: fused here); "
+      "errors are max|a−b|/max|b| of the logits (pass vs plain `torch.compile`, plain `torch.compile` vs eager: "
+      "Inductor alone deviates on some MoE models, where a top-k router can turn a last-bit difference into "
+      "another expert); *why not* = `stats()['why_not']`, else the `arfusion` logger's \"not fused\" lines, else the "
+      "error that stopped the row.\n\n")
     noisy = [r for r in rows if (r.get("err_pass_vs_compile") or 0) > NOISY_ERR]
     if noisy:
         w(f"- pass vs compile above {NOISY_ERR:g}: " + ", ".join(
@@ -585,9 +361,8 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
         for r in failed:
             w(f"- `{r['model_type']}`: {r['error']}\n")
     w("\n" + HOW_IT_WORKS)
-    w("\nRaw results (counter details per norm call, stats, log lines, timings): "
-      f"[{js.relative_to(md.parent) if js.is_relative_to(md.parent) else js}]"
-      f"({js.relative_to(md.parent) if js.is_relative_to(md.parent) else js}).\n")
+    link = js.relative_to(md.parent) if js.is_relative_to(md.parent) else js
+    w(f"\nRaw results (counter details per norm call, stats, log lines, timings): [{link}]({link}).\n")
     md.write_text(out.getvalue())
 
 
@@ -602,10 +377,6 @@ def _machine() -> str:
 
 
 def driver_main(args) -> int:
-    sys.path.insert(0, str(ROOT))
-    import torch
-    import transformers
-
     all_archs = architectures()
     skipped = {m: why for m, why in all_archs if why}
     wanted = [m for m, _ in all_archs]
@@ -627,22 +398,18 @@ def driver_main(args) -> int:
     previous = {r["model_type"]: r for r in report["rows"]}
     print(f"{len(wanted)} architectures ({len(to_run)} to run), timeout {args.timeout:.0f} s each; "
           f"rank logs in {args.log}", file=sys.stderr)
-    # The code the ranks import is the tree's at the start (commits made during a sweep do not count).
-    commit = os.environ.get("HF_COVERAGE_COMMIT")  # a run from an exported tree names its commit
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip() or "?"
-        except OSError:
-            commit = "?"
+    # The code the ranks import is the tree's at the start (commits made during a sweep do not count);
+    # a run from an exported tree names its commit in HF_COVERAGE_COMMIT.
+    commit = "?"
+    with contextlib.suppress(OSError):
+        commit = os.environ.get("HF_COVERAGE_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?"
     date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     started = time.time()
     results = sweep(to_run, args.timeout, Path(args.log), show_progress=not args.quiet) if to_run else {}
     wall = time.time() - started
     fresh = {m: ({"model_type": m, "error": skipped[m]} if m in skipped else results[m]) for m in wanted}
     rows = [fresh.get(m, r) for m, r in previous.items()] + [r for m, r in fresh.items() if m not in previous]
-    import arfusion
-
     command = "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else "") + \
         (f" --tokens {args.tokens}" if args.tokens != TOKENS else "")
     run = {"tokens": args.tokens, "command": command, "date": date, "wall_s": round(wall, 1),
@@ -672,14 +439,12 @@ def main(argv=None) -> int:
                    help="tokens of the one batch row each model runs (1: a batch-1 decode step's shape)")
     p.add_argument("--update", action="store_true",
                    help="rerun the --only rows of the existing --json report and rewrite it with the others kept")
-    # internal: one rank of the pair
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--archs", help=argparse.SUPPRESS)
-    p.add_argument("--progress", help=argparse.SUPPRESS)
-    p.add_argument("--ckpt-root", help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of the pair, with:
+    for internal in ("--archs", "--progress", "--ckpt-root"):
+        p.add_argument(internal, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker_main(args)
+        Worker(Path(args.progress), args.ckpt_root).run(args.archs.split(","))
         return 0
     return driver_main(args)
 

@@ -30,8 +30,10 @@ import copy
 import dataclasses
 import itertools
 from collections import Counter, defaultdict
+from typing import Callable
 
 import torch
+import torch.distributed._functional_collectives  # noqa: F401  (registers the _c10d_functional ops below)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -322,3 +324,92 @@ def classify_norms(model: torch.nn.Module, hidden: int, dtype=torch.bfloat16) ->
             by_class[key] = norm_kind(module, hidden, dtype)
         kinds[name] = by_class[key]
     return kinds
+
+
+def count_sites(model: torch.nn.Module, forward: Callable, hidden: int) -> tuple[object, dict]:
+    """(forward(model), the counter's summary) for one eager forward of `model`, its norms
+    hooked; the summary also names the norm kinds and lists every norm call. Where the counted
+    forward fails, the model runs alone: its own error is raised, else a RuntimeError saying
+    the counter failed."""
+    kinds = classify_norms(model, hidden)
+    counter = SiteCounter()
+    counter.hook_norms(model, kinds)
+    try:
+        with counter:
+            out = forward(model)
+    except Exception as e:
+        counter.remove_hooks()
+        forward(model)  # fails too: the model's own error
+        raise RuntimeError(f"the site counter failed, the model alone did not: {type(e).__name__}: {e}") from e
+    finally:
+        counter.remove_hooks()
+    summary = counter.summary()
+    summary["norm_kinds"] = dict(Counter(f"{type(m).__name__}: {kinds[n]}" for n, m in model.named_modules()
+                                         if n in kinds))
+    summary["calls"] = counter.norm_calls
+    return out, summary
+
+
+def fmt_counts(d: dict) -> str:
+    """{"ar+add": 2, "ar": 1} -> "ar, ar+add ×2"."""
+    return ", ".join(f"{k} ×{v}" if v > 1 else k for k, v in sorted(d.items())) if d else ""
+
+
+def other_shapes(summary: dict) -> str:
+    """What the counter saw that is not a site: other shapes and look-alikes, one cell."""
+    parts = []
+    if summary.get("other_shapes"):
+        parts.append(fmt_counts(summary["other_shapes"]))
+    if summary.get("gated_norm_lookalikes"):
+        parts.append("gated norm: " + fmt_counts(summary["gated_norm_lookalikes"]))
+    if summary.get("layernorm_lookalikes"):
+        parts.append("LayerNorm: " + fmt_counts(summary["layernorm_lookalikes"]))
+    if summary.get("all_reduces_not_reaching_a_norm"):
+        parts.append("no norm: " + fmt_counts(summary["all_reduces_not_reaching_a_norm"]))
+    return "; ".join(parts)
+
+
+# How the counter works, as benchmarks/hf_coverage.py's report explains it.
+HOW_IT_WORKS = """\
+## How the counter works
+
+`benchmarks/hf_site_counter.py` counts sites in the **eager** model and imports nothing from
+arfusion, so it checks the matcher rather than repeating it.
+
+- A `TorchDispatchMode` marks the tensors all-reduces produce: HF's in-place
+  `dist.all_reduce(t, group=...)` dispatches as `c10d.allreduce_`, DTensor/funcol as
+  `_c10d_functional.all_reduce` (+ `wait_tensor`).
+- A mark follows view/reshape-only ops (view, reshape, squeeze, clone, contiguous) and adds:
+  the mark of a sum counts its terms (all-reduced terms, other full-size terms, broadcast terms,
+  all-reduced terms multiplied by a scalar `ar*s` or by a broadcast tensor such as a per-token
+  gate `ar*g`; × 1.0, a multiplier left at its default, is no scale). A dtype conversion keeps
+  the mark but flags it `(dtype cast)`.
+- Forward pre-hooks on norm modules read the mark of the norm's input. A norm ends a chain:
+  the tensor it read counts as a plain residual afterwards.
+- Which modules are RMSNorm is decided by running each norm class once on a random input
+  (weights randomised on a copy) and comparing with x/rms(x)·w, x/rms(x)·(1+w), x/rms(x),
+  LayerNorm and LayerNorm·(1+w) (look-alikes). Grouped norms, gated norms whose gate is not
+  optional, and norms that return a factor come out as "other" and are not hooked; a norm
+  called with a second tensor (a gate) is reported as a gated-norm look-alike.
+- **Sites** = RMSNorm calls whose input is one all-reduce [views] with at most one add:
+  `ar` (all-reduce → norm), `ar+add` (all-reduce + residual → norm), `ar+ar` (the sum of two
+  all-reduces normed without a residual, e.g. a MoE block's own post-norm: the second is an
+  all-reduce + "residual" like any other), and `ar*s`, `ar*s+add` (the all-reduce scaled by a
+  scalar first: Granite's multipliers, MiniCPM's depth scale, Gemma's embedding normaliser).
+  Other shapes are listed, not counted: `ar+ar+add`
+  (routed + shared experts, both all-reduced, then the residual), `ar+replicated+add` (an extra
+  non-all-reduced term, e.g. a replicated shared expert), `ar*s+replicated+add` and the like,
+  `ar*g…`, `ar+bias…`, `… (dtype cast)`,
+  `ar+add×N` (a chain of residual adds, e.g. a post-norm model's embedding all-reduce reaching the
+  final norm). "no norm" lists all-reduces whose value never reached a norm, with the op that
+  consumed it.
+
+Limits: it sees only what runs in the eager forward of this tiny config (2 layers; the layer
+kinds kept are those of the first layer and of the first layer that differs from it, so e.g. a
+hybrid model's third kind of layer is not seen); a norm written inline (not a module) is not
+hooked: its all-reduce shows under "no norm"; a reduction (Llama-4's sum over experts of
+all-reduced rows) ends a mark; it counts module calls, so a norm module applied twice counts
+twice. Every row is one forward of one batch row (its tokens are in the header); the counter is
+not a proof that the compiled graph has the same shape (Inductor's decompositions can differ), which is what the "fused"
+column then shows.
+"""

@@ -1,7 +1,8 @@
 """benchmarks/hf_coverage.py: the HF architecture sweep on a few fast architectures, and its
 independent site counter (benchmarks/hf_site_counter.py) on hand-written chains.
 
-The sweep test runs 5 architectures on 2 gloo ranks (about 110 s on a 2-core CPU).
+The sweep test runs 5 architectures on 2 gloo ranks (about 110 s on a 2-core CPU): those tests
+are `slow` and `multiproc`; the counter's own tests are quick.
 """
 
 from __future__ import annotations
@@ -54,18 +55,24 @@ def sweep(tmp_path_factory):
             "log": (out / "ranks.log").read_text()}
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_every_architecture_completed(sweep):
     assert set(sweep["rows"]) == set(SWEEP)
     failed = {m: r["error"] for m, r in sweep["rows"].items() if r.get("error")}
     assert not failed, (failed, sweep["log"][-3000:])
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("model_type", SWEEP)
 def test_counter_sites(sweep, model_type):
     row = sweep["rows"][model_type]
     assert row["sites"] == EXPECTED_SITES[model_type], row["counter"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_counter_sees_the_lookalikes(sweep):
     rows = sweep["rows"]
     # Granite: every all-reduce is scaled by a number before the add (sites: the op takes the factor).
@@ -76,6 +83,8 @@ def test_counter_sees_the_lookalikes(sweep):
     assert rows["llama"]["counter"]["site_labels"] == {"ar": 1, "ar+add": 2 * LAYERS}
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_looped_experts_compile_whole_and_their_sums_merge(sweep):
     """LongCat-Flash's experts loop over the experts hit (a graph break per MoE layer) until
     arfusion.hf.prepare_for_compile gives them the loop-free forward: one graph, each layer's
@@ -86,6 +95,8 @@ def test_looped_experts_compile_whole_and_their_sums_merge(sweep):
     assert row["counter"]["other_shapes"] == {"ar+ar+add": LAYERS}, row["counter"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 @pytest.mark.parametrize("model_type", SWEEP)
 def test_fused_counts(sweep, model_type):
     row = sweep["rows"][model_type]
@@ -96,6 +107,8 @@ def test_fused_counts(sweep, model_type):
     assert row["err_pass_vs_compile"] < 2e-2 and row["err_compile_vs_eager"] < 2e-2, row
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_table_rows_and_summary(sweep):
     md = sweep["md"]
     assert hf_coverage.ROW_HEADER in md
@@ -111,6 +124,8 @@ def test_table_rows_and_summary(sweep):
     assert hf_coverage.table_row(sweep["rows"]["llama"]) in md
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_an_update_keeps_the_sweeps_header_and_names_what_it_reran(sweep, tmp_path):
     first = sweep["data"]["meta"]
     run = {**first, "command": "python benchmarks/hf_coverage.py --only llama", "date": "2030-01-02 03:04",
@@ -127,6 +142,8 @@ def test_an_update_keeps_the_sweeps_header_and_names_what_it_reran(sweep, tmp_pa
     assert json.loads(js.read_text())["meta"]["updates"][1]["rows"] == ["olmo2"]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_the_token_count_is_in_the_header_and_an_update_refuses_another(sweep, tmp_path):
     """--tokens 1 (a decode step's shape) is named in the header; rows of another token count are
     never mixed into a report (--update refuses, and writes nothing)."""
@@ -139,6 +156,8 @@ def test_the_token_count_is_in_the_header_and_an_update_refuses_another(sweep, t
     assert code == 2 and not md.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_a_hung_architecture_is_killed_and_recorded(tmp_path):
     """One rank hangs: the driver kills the pair past --timeout, records the row, leaves no rank behind."""
     md, js = tmp_path / "c.md", tmp_path / "c.json"
@@ -150,19 +169,7 @@ def test_a_hung_architecture_is_killed_and_recorded(tmp_path):
     (row,) = json.loads(js.read_text())["rows"]
     assert row["error"].startswith("timeout"), row
     assert "| `llama` | - | - |" in md.read_text()
-    assert not _processes_with_env(b"HF_COVERAGE_TEST_HANG=llama")
-
-
-def _processes_with_env(entry: bytes) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if entry in f.read().split(b"\0"):
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
+    assert not hf_coverage.processes_with_env(b"HF_COVERAGE_TEST_HANG=llama")
 
 
 # ------------------------------------------------------------------------- the counter alone
