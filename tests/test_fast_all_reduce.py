@@ -130,6 +130,7 @@ def _against_eager(rank, model_name):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("model_name", ["layernorm", "hyper"])
+@pytest.mark.slow
 def test_layernorm_and_hyper_connection_models_match_eager_on_two_ranks(tmp_path, model_name):
     results = collect_from_ranks(functools.partial(_against_eager, model_name=model_name), 2, tmp_path)
     for r in results:

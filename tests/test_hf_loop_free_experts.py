@@ -78,6 +78,7 @@ def test_no_tokens_gives_zeros():
     assert out.shape == x.shape
 
 
+@pytest.mark.slow
 def test_the_model_compiles_whole_and_matches_eager():
     model, config = _longcat()
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
