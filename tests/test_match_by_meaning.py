@@ -277,7 +277,7 @@ def test_an_all_reduce_scaled_by_a_number_fuses_with_the_factor_in_the_op(fake_p
     fused, left, actual, expected, stats = run(Site(NORMS["hf_llama"][0], residual=SCALED[spelling]))
     assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
     factor = {"integer": 4.0}.get(spelling, 0.22)
-    assert fused[0][-1] == factor and (fused[0][1] is None) == (spelling == "no residual")
+    assert fused[0][-2] == factor and (fused[0][1] is None) == (spelling == "no residual")  # [-2]: input_scale
     assert_matches_eager(actual, expected)  # one rank: f * x is f * AR(x), rounded once
 
 

@@ -116,7 +116,7 @@ def test_a_scaled_all_reduce_with_a_replicated_term_fuses(fake_pg):
     arfusion.reset_stats()
     fused, left, actual, expected, stats = run(ReplicatedSharedExpert(routed_scale=2.5))
     assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
-    assert fused[0][-1] == 2.5
+    assert fused[0][-2] == 2.5  # input_scale (input_scale_tensor is last)
     for a, e in zip(actual, expected):
         assert_close(a, e, torch.bfloat16, "scaled + replicated")
 
@@ -129,7 +129,7 @@ def test_a_scaled_sum_with_a_replicated_term_is_split_and_fuses(fake_pg, gated, 
     arfusion.reset_stats()
     fused, left, actual, expected, stats = run(ReplicatedSharedExpert(gated=gated, sum_scale=sum_scale))
     assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
-    assert fused[0][-1] == 0.22 and stats["scaled_sums_distributed"] == (not gated), stats
+    assert fused[0][-2] == 0.22 and stats["scaled_sums_distributed"] == (not gated), stats
     for a, e in zip(actual, expected):
         assert_close(a, e, torch.bfloat16, "scaled sum")
 
@@ -177,12 +177,12 @@ def test_a_residual_first_sum_on_two_groups_is_left_as_it_was():
 def test_a_residual_first_sum_that_does_not_merge_keeps_its_order(fake_pg, monkeypatch):
     """Regrouped, then the merge declines (as it does for a size it cannot name): the adds are put
     back in the model's order and the routed all-reduce's site fuses as it would have."""
-    from arfusion.patterns import collectives
+    from arfusion.patterns import collectives, reduced
 
     regrouped = []  # sums of two all-reduced terms: only the regrouping makes one in this model
 
     def decline(graph, add):
-        regrouped.append(all(isinstance(a, torch.fx.Node) and collectives._term(a) is not None for a in add.args))
+        regrouped.append(all(isinstance(a, torch.fx.Node) and reduced.reduced_term(a) is not None for a in add.args))
         return None
 
     monkeypatch.setattr(collectives, "_merge_sum_of_two", decline)

@@ -1,6 +1,7 @@
 """What a region computes, decided by evaluating it (the acceptance rule is in `forms`).
 
-For each all-reduce region (`region.grow`):
+For each all-reduce region (`region.grow`), numbered canonically (`encoding.Encoding`) and
+evaluated on probes (`probe.Prober`):
 1. The norm output is a region node with the activation's dtype and size whose computation
    reduces over the hidden dim; the latest such node that passes wins. Its site is the node
    and its ancestors in the region; the tensors the site reads from outside are traced back
@@ -9,8 +10,8 @@ For each all-reduce region (`region.grow`):
 2. The site is evaluated on a probe, exactly and with its real dtypes, and compared with each
    norm form; eps is solved from the probe (or checked, when it is a graph input). Every site
    node read from outside must be the residual sum (or the norm output itself).
-3. The quant tail: the nodes after the norm output that compute FP8 / packed FP4 values from it
-   alone, compared with each quant form on the same norm output.
+3. The quant tail (`quant_tail`): the nodes after the norm output that compute FP8 / packed FP4
+   values from it alone, compared with each quant form on the same norm output.
 
 The answer depends only on the region's structure, so it is memoized by a signature of it:
 a decoder's 2L + 1 sites are analysed two or three times, not 65.
@@ -24,13 +25,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .. import quant as quant_ref
 from .. import reference
-from . import forms
-from .probe import ProbeError, evaluate
-from ..graph_utils import FP8_DTYPES
-from .region import (CONSTANT_PRODUCERS, LIKE_OPS, OTHER_SHAPE_OPS, REDUCTIONS, SIZED_SHAPE_OPS, Region,
-                     ancestors_within, hinted_shape, is_pointwise, probe_shape, value)
+from . import forms, quant_tail
+from .encoding import Encoding, activation_sized
+from .probe import Probe, ProbeError, Prober
+from .quant_tail import QuantPlan
+from .region import OTHER_SHAPE_OPS, REDUCTIONS, SIZED_SHAPE_OPS, Region, ancestors_within, hinted_shape, value
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _MEMO_SIZE = 256
@@ -57,15 +57,6 @@ class NoSite:
 SCALED = NoSite(SCALED_REASON, scaled=True)
 NOT_RMS = NoSite("its computation does not match all_reduce [+ residual] -> RMSNorm numerically", matched=False)
 
-
-@dataclass(frozen=True)
-class QuantPlan:
-    form: str
-    scale_input: int | None  # local id of the static/global scale root
-    scale_inverted: bool  # the graph multiplies by that input: the op's scale is its reciprocal
-    emit_norm: bool  # the norm output is also read elsewhere
-    nodes: frozenset[int]  # local ids absorbed with the quant
-    exits: tuple[tuple[int, str], ...]  # (local id, role) read from outside
 
 
 @dataclass(frozen=True)
@@ -114,211 +105,12 @@ class Match:
                        emit_norm=True, nodes=self.nodes - self.quant_nodes, quant_nodes=set())
 
 
-# ------------------------------------------------------------------ the region, canonically
-
-
-CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
-
-
-def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [i for i in node.all_input_nodes if isinstance(value(i), torch.Tensor)]
-
-
-def activation_sized(shape: tuple[int, ...], region: Region) -> bool:
-    """Whether a value of `shape` holds one of the site's activations ([tokens, hidden], however
-    viewed). At one token a per-hidden vector (the norm weight) holds as many values; it is the one
-    with fewer dims than the all-reduced value, which carries its token dims (`[1, 1, H]`)."""
-    if math.prod(shape) != region.tokens * region.hidden:
-        return False
-    return region.tokens != 1 or len(shape) >= len(hinted_shape(region.start))
-
-
-def _preparation(node: torch.fx.Node, region: Region) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
-    """The pointwise chain that prepares an outside input (`1 + w.float()`), in order, and the
-    tensor it starts from (None: a constant, e.g. `full([], 2**22)`). An activation-sized value
-    is a residual term as computed, whatever computed it (MiniMax scales its residual by alpha):
-    only casts are looked through there, so the dtype check sees the term's own dtype."""
-    chain = []
-    while True:
-        if node.op == "call_function" and node.target in CONSTANT_PRODUCERS and not node.all_input_nodes:
-            return [node, *reversed(chain)], None
-        inputs = _tensor_inputs(node)
-        computed_term = (node.target not in CASTS and isinstance(value(node), torch.Tensor)
-                         and activation_sized(hinted_shape(node), region))
-        if node.op == "call_function" and len(inputs) == 1 and (is_pointwise(node) or node.target in LIKE_OPS) \
-                and len(node.all_input_nodes) == 1 and not computed_term:
-            chain.append(node)
-            node = inputs[0]
-            continue
-        return list(reversed(chain)), node
-
-
-class Encoding:
-    """The region's nodes numbered: 0 is the all-reduced value, then the region in graph order,
-    then the preparation of outside inputs and their roots. `key` identifies the computation."""
-
-    def __init__(self, region: Region):
-        self.region = region
-        self.nodes: list[torch.fx.Node] = [region.start, *region.nodes]
-        self.local: dict[torch.fx.Node, int] = {n: i for i, n in enumerate(self.nodes)}
-        self.prep: dict[int, list[int]] = {}  # local id of an outside input -> its preparation ids
-        self.root_of: dict[int, int | None] = {}  # outside input -> root id (None: constant)
-        self.roots: list[int] = []
-        for node in region.nodes:
-            for i in _tensor_inputs(node):
-                if i not in region.members:
-                    self._add_outside(i)
-        self.key = (region.tokens, region.hidden, tuple(self._describe(i) for i in range(len(self.nodes))),
-                    tuple(self.roots))
-
-    def _add(self, node: torch.fx.Node) -> int:
-        if node not in self.local:
-            self.local[node] = len(self.nodes)
-            self.nodes.append(node)
-        return self.local[node]
-
-    def _add_outside(self, node: torch.fx.Node) -> None:
-        if node in self.local:
-            return
-        chain, root = _preparation(node, self.region)
-        ids = [self._add(n) for n in chain]
-        root_id = None if root is None else self._add(root)
-        if root_id is not None and root_id not in self.roots:
-            self.roots.append(root_id)
-        self.prep[self.local[node]] = ids
-        self.root_of[self.local[node]] = root_id
-
-    def _describe(self, i: int) -> tuple:
-        node = self.nodes[i]
-        val = value(node)
-        meta = (str(val.dtype), hinted_shape(node), val.device.type) if isinstance(val, torch.Tensor) else repr(val)
-        # Which outputs are read outside the region decides the site's exits; being the graph's
-        # output also decides the reason given when no norm follows (a graph break, likely).
-        read_outside = ("graph output" if any(u.op == "output" for u in node.users)
-                        else any(u not in self.region.members for u in node.users))
-        if i in self.roots:
-            return ("input", meta)
-        if i == 0:
-            return ("all_reduce", meta, read_outside)
-        return (str(node.target), self._arg_key(node.args), self._arg_key(node.kwargs), meta, read_outside)
-
-    def _arg_key(self, arg):
-        if isinstance(arg, torch.fx.Node):
-            if arg in self.local:
-                return ("n", self.local[arg])
-            val = value(arg)
-            return ("sym", str(val)) if not isinstance(val, torch.Tensor) else ("?", arg.name)
-        if isinstance(arg, (list, tuple)):
-            return tuple(self._arg_key(a) for a in arg)
-        if isinstance(arg, dict):
-            return tuple(sorted((k, self._arg_key(v)) for k, v in arg.items()))
-        return (type(arg).__name__, repr(arg))
-
-    def ids(self, nodes) -> frozenset[int]:
-        return frozenset(self.local[n] for n in nodes)
-
-    def evaluation_order(self, site_ids: set[int]) -> list[torch.fx.Node]:
-        """The preparation of every outside input the site reads, then the site in graph order."""
-        order: list[int] = []
-        for i in sorted(site_ids):
-            if i == 0:
-                continue
-            for inp in _tensor_inputs(self.nodes[i]):
-                j = self.local[inp]
-                if j in self.prep:
-                    order.extend(p for p in self.prep[j] if p not in order)
-        order.extend(sorted(i for i in site_ids if i != 0 and i < len(self.region.nodes) + 1))
-        return [self.nodes[i] for i in order]
-
-    def site_roots(self, site_ids: set[int]) -> set[int]:
-        """The roots of the outside inputs the site reads (through their preparation)."""
-        roots = set()
-        for i in site_ids:
-            if i == 0:
-                continue
-            for inp in _tensor_inputs(self.nodes[i]):
-                j = self.local[inp]
-                if j < len(self.region.nodes) + 1:
-                    continue
-                if self.root_of.get(j) is not None:
-                    roots.add(self.root_of[j])
-        return roots
-
-
-# ------------------------------------------------------------------ probes
-
-
-@dataclass
-class Probe:
-    """Inputs for one evaluation: real-dtype values, and the same values in float64."""
-
-    real: dict[torch.fx.Node, torch.Tensor]
-    exact: dict[torch.fx.Node, torch.Tensor]
-
-
-class Classifier:
+class Classifier(Prober):
     """Classifies one encoded region; see the module docstring."""
 
     def __init__(self, enc: Encoding, quant_forms: tuple[str, ...], device: torch.device):
-        self.enc, self.quant_forms, self.device = enc, quant_forms, device
-        region = enc.region
-        self.tokens, self.hidden = region.tokens, region.hidden
-        self.dtype = value(region.start).dtype
-        gen = torch.Generator().manual_seed(forms.PROBE_SEED)
-        rows = forms.PROBE_ROWS
-        self.reduced64 = forms.probe_activation(rows, self.hidden, self.dtype, gen).double()
-        self.terms64 = [forms.probe_activation(rows, self.hidden, self.dtype, gen).double()
-                        for _ in range(forms.MAX_RESIDUAL_TERMS)]
-        self.weight64 = torch.rand(self.hidden, generator=gen, dtype=torch.float64) * 3 - 1.5
-        self.region_size = len(region.nodes) + 1
-        self.members = set(enc.nodes[:self.region_size])
-
-    # ---------------------------------------------------------------- roles and probes
-
-    def _role_of_root(self, i: int) -> str:
-        shape = hinted_shape(self.enc.nodes[i])
-        numel = math.prod(shape)
-        if shape and shape[-1] == self.hidden and activation_sized(shape, self.enc.region):
-            return "activation"
-        if shape and shape[-1] == self.hidden and numel == self.hidden:
-            return "vector"
-        return "scalar" if numel == 1 else "other"
-
-    def _probe_value(self, values64: torch.Tensor, node: torch.fx.Node, carries_tokens: bool):
-        shape = hinted_shape(node)
-        if carries_tokens:
-            shape = probe_shape(shape, self.tokens, forms.PROBE_ROWS)
-            if shape is None:
-                raise ProbeError(f"cannot rescale {node.name} to {forms.PROBE_ROWS} rows")
-        real = values64.reshape(shape).to(value(node).dtype)
-        return real, real.double()
-
-    def _inputs(self, residuals: tuple[int, ...], weight: int | None, scalars: dict[int, float]) -> Probe:
-        probe = Probe({}, {})
-        given = [(0, self.reduced64, True), *((r, t, True) for r, t in zip(residuals, self.terms64)),
-                 (weight, self.weight64, False),
-                 *((i, torch.tensor(v, dtype=torch.float64), False) for i, v in scalars.items())]
-        for i, values64, carries_tokens in given:
-            if i is not None:
-                node = self.enc.nodes[i]
-                probe.real[node], probe.exact[node] = self._probe_value(values64, node, carries_tokens)
-        return probe
-
-    def _run(self, site_ids, probe: Probe, exact: bool) -> dict:
-        nodes = self.enc.evaluation_order(site_ids)
-        return evaluate(nodes, probe.exact if exact else probe.real, exact=exact, tokens=self.tokens,
-                        rows=forms.PROBE_ROWS)
-
-    def _rows(self, t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(forms.PROBE_ROWS, -1)
-
-    def _given(self, probe: Probe, i: int | None, exact: bool) -> torch.Tensor | None:
-        if i is None:
-            return None
-        t = (probe.exact if exact else probe.real)[self.enc.nodes[i]]
-        return self._rows(t) if i == 0 or self._role_of_root(i) == "activation" else t.reshape(-1)
-
-    # ---------------------------------------------------------------- the norm site
+        super().__init__(enc, device)
+        self.quant_forms = quant_forms
 
     def classify(self) -> Plan:
         enc = self.enc
@@ -377,7 +169,7 @@ class Classifier:
             return Plan(reason=LAYERNORM_REASON)
         by_role: dict[str, list[int]] = {}
         for r in enc.site_roots(set(site)):
-            by_role.setdefault(self._role_of_root(r), []).append(r)
+            by_role.setdefault(self.role_of_root(r), []).append(r)
         if by_role.get("other"):
             shapes = [hinted_shape(enc.nodes[r]) for r in by_role["other"]]
             return Plan(reason=f"the norm also reads tensors of shape {shapes}")
@@ -414,8 +206,8 @@ class Classifier:
         (an MoE shared expert's output, say) the graph may add them in another order; each order
         rounds k - 1 times at magnitudes up to the sum of the terms' magnitudes, so two orders
         may differ by (k - 1) ulp there."""
-        reduced = self._given(probe, 0, False)
-        terms = [self._given(probe, r, False) for r in residuals]
+        reduced = self.given(probe, 0, False)
+        terms = [self.given(probe, r, False) for r in residuals]
         total = None
         for t in terms:
             total = t if total is None else total + t
@@ -430,10 +222,10 @@ class Classifier:
         y_node = self.enc.nodes[out]
         kinds = ("plain", "offset") if weight is not None else ("none",)
         eps_values = forms.EPS_TENSOR_PROBES if eps_input is not None else (None,)
-        probes = [self._inputs(residuals, weight, {} if e is None else {eps_input: e}) for e in eps_values]
-        h64 = self._given(probes[0], 0, True) + sum((self._given(probes[0], r, True) for r in residuals), 0)
-        w64 = self._given(probes[0], weight, True)
-        exact_outputs = [self._rows(self._run(site, p, exact=True)[y_node]) for p in probes]
+        probes = [self.inputs(residuals, weight, {} if e is None else {eps_input: e}) for e in eps_values]
+        h64 = self.given(probes[0], 0, True) + sum((self.given(probes[0], r, True) for r in residuals), 0)
+        w64 = self.given(probes[0], weight, True)
+        exact_outputs = [self.rows(self.run(site, p, exact=True)[y_node]) for p in probes]
         for kind in kinds:
             factor = forms.weight_factor(kind, w64)
             solved = [forms.solve_eps(h64, y64, factor) for y64 in exact_outputs]
@@ -450,8 +242,8 @@ class Classifier:
         # With the real dtypes: within the rounding of the fused kernels, which normalise the
         # rounded residual sum in fp32 and round once.
         probe, eps = probes[-1], self._written_eps(site, solved[-1])
-        env = self._run(site, probe, exact=False)
-        y_real = self._rows(env[y_node])
+        env = self.run(site, probe, exact=False)
+        y_real = self.rows(env[y_node])
         h_rounded, order_slack = self._residual_sum(probe, residuals)
         kernel = forms.exact_rms(h_rounded.double(), factor, eps)
         # The graph normalises its own sum: a difference there reaches the norm, normalised.
@@ -462,7 +254,7 @@ class Classifier:
                 return SCALED
             return NoSite("computes RMSNorm, but rounds differently from the fused kernels by more than "
                           f"{forms.NORM_ULPS[self.dtype]} ulp (e.g. normalised in {self.dtype}, not fp32)")
-        w_real = self._given(probe, weight, False)
+        w_real = self.given(probe, weight, False)
 
         def mismatches(norm: str) -> int:
             return int((reference.rms_norm(h_rounded, w_real, eps, norm) != y_real).sum())
@@ -515,7 +307,7 @@ class Classifier:
                 continue
             val = env[node]
             if isinstance(val, torch.Tensor) and val.dtype == self.dtype and val.numel() == h.numel() and \
-                    forms.within_ulps(self._rows(val), h, self.dtype, forms.RESIDUAL_ULPS, extra=order_slack):
+                    forms.within_ulps(self.rows(val), h, self.dtype, forms.RESIDUAL_ULPS, extra=order_slack):
                 exits.append((i, "residual"))
                 continue
             if i == 0 and residuals:
@@ -523,90 +315,9 @@ class Classifier:
             return f"an intermediate ({node.name}, {node.target}) is also read outside the site"
         return tuple(exits)
 
-    # ---------------------------------------------------------------- the quant tail
-
     def _quant(self, plan: Plan) -> QuantPlan | None:
-        """The quantization of the norm output the region computes next, if one of the forms."""
-        enc = self.enc
-        norm_out = enc.nodes[plan.norm_out]
-        tail = {norm_out}
-        for node in enc.nodes[plan.norm_out + 1:self.region_size]:
-            inside = [i for i in node.all_input_nodes if i in self.members]
-            if inside and all(i in tail for i in inside):
-                tail.add(node)
-        quantized = [n for n in tail if n is not norm_out and isinstance(value(n), torch.Tensor)
-                     and value(n).dtype in (*FP8_DTYPES, torch.uint8)]
-        if not quantized:
-            return None
-        nodes = set().union(*(ancestors_within(n, tail) for n in quantized)) - {norm_out}
-        ids = enc.ids(nodes)
-        roots = enc.site_roots(set(ids))
-        if len(roots) > 1 or any(self._role_of_root(r) != "scalar" for r in roots):
-            return None
-        scale_root = next(iter(roots), None)
-        exits = [n for n in sorted(nodes, key=enc.local.get) if any(u not in nodes for u in n.users)]
-        site_nodes = {enc.nodes[i] for i in plan.nodes}
-        emit_norm = any(u not in nodes and u not in site_nodes for u in norm_out.users)
-        scalars = {} if scale_root is None else {scale_root: forms.QUANT_SCALE_PROBE}
-        if plan.eps_input is not None:
-            scalars[plan.eps_input] = forms.EPS_TENSOR_PROBES[0]
-        try:
-            probe = self._inputs(plan.residuals, plan.weight, scalars)
-            env = self._run(plan.nodes | ids, probe, exact=False)
-        except ProbeError:
-            return None
-        for form in self.quant_forms:
-            for inverted in (False, True) if scale_root is not None else (False,):
-                roles = self._quant_roles(form, env[norm_out], probe, scale_root, inverted, exits, env)
-                if roles is not None:
-                    return QuantPlan(form=form, scale_input=scale_root, scale_inverted=inverted,
-                                     emit_norm=emit_norm, nodes=ids,
-                                     exits=tuple((enc.local[n], r) for n, r in zip(exits, roles)))
-        return None
-
-    def _quant_roles(self, form, normed, probe, scale_root, inverted, exits, env) -> list[str] | None:
-        """Each exit's role if the tail computes `form` from `normed` (None if it does not)."""
-        if (scale_root is not None) != (form == "fp8_static") and form != "nvfp4":
-            return None
-        scale_in = None
-        if scale_root is not None:
-            scale_in = probe.real[self.enc.nodes[scale_root]].float()
-            scale_in = 1.0 / scale_in if inverted else scale_in
-        fp8 = None
-        if form != "nvfp4":
-            fp8 = next((value(n).dtype for n in exits if value(n).dtype in FP8_DTYPES), None)
-            if fp8 != quant_ref.fp8_dtype(self.device):
-                return None  # the op would produce this device's FP8 type, not the graph's
-        try:
-            ref = quant_ref.quantize(normed, form, scale_in, fp8_dtype=fp8)
-        except Exception:  # e.g. hidden not a multiple of the group
-            return None
-        wanted = {"quant": ref["quant"]}
-        if "scale" in ref:
-            wanted["scale"] = ref["scale"]
-            if form != "nvfp4":
-                wanted["inv_scale"] = 1.0 / ref["scale"]
-        roles = []
-        for node in exits:
-            role = next((r for r, want in wanted.items() if _same_values(env[node], want, r, form)), None)
-            if role is None:
-                return None
-            roles.append(role)
-        return roles if roles.count("quant") == 1 and len(set(roles)) == len(roles) else None
-
-
-def _same_values(got: torch.Tensor, want: torch.Tensor, role: str, form: str) -> bool:
-    """Equal under the quant part of the rule, on the probe's ordinary rows."""
-    if not isinstance(got, torch.Tensor) or got.numel() != want.numel() or got.dtype != want.dtype:
-        return False
-    rows = forms.ordinary_rows()
-    g = got.reshape(forms.PROBE_ROWS, -1)[rows]
-    w = want.reshape(forms.PROBE_ROWS, -1)[rows]
-    if form == "nvfp4":  # bit for bit, as torchao
-        return bool((g.view(torch.uint8) == w.view(torch.uint8)).all())
-    if role == "quant":
-        return forms.fp8_within_steps(g, w)
-    return bool(torch.isfinite(g).all() and ((g - w).abs() <= forms.SCALE_RTOL * w.abs()).all())
+        return quant_tail.find(self, self.quant_forms, norm_out=plan.norm_out, site=plan.nodes,
+                               residuals=plan.residuals, weight=plan.weight, eps_input=plan.eps_input)
 
 
 def _most_telling(plans: list[Plan]) -> Plan:

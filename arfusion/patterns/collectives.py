@@ -15,99 +15,27 @@ on every rank, so f * AR(b) must be too, i.e. f wherever AR(b) is not zero. So a
 merged only where the sum flows into such an add. An all-reduced value that
 Inductor folded into a GEMM's bias slot (`addmm`) is first unfolded into `mm + add`. A number
 scaling the sum of an all-reduce and a replicated term, (AR(a) + b) * f (Granite-4's MoE layers),
-is distributed, AR(a) * f + b * f, so that the all-reduce is scaled alone (below). The rewritten
+is distributed, AR(a) * f + b * f, so that the all-reduce is scaled alone (`scaled`). The rewritten
 all-reduce is then an ordinary site for `classify`, judged by the usual rule.
 Only regroupings of the same elements (reshape/view) may sit between an all-reduce and the sum,
 and each all-reduce's result must be read by that sum alone. A lone all-reduce scaled by a number,
-f * AR(x) (Granite, MiniCPM), is not rewritten here: `scaled_all_reduce` finds it and the site
+f * AR(x) (Granite, MiniCPM), is not rewritten here: `scaled.scaled_all_reduce` finds it and the site
 starting at the product hands f to the fused op, so a site left unfused keeps the graph as it was.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import ALL_REDUCE, WAIT
+from ..graph_utils import WAIT
+from .reduced import (MOVES, REGROUPINGS, into_residual_stream, reduced_source, reduced_term,
+                      replace_with_all_reduce)
 from .region import CONVERT, by_a_number, is_add, same_shape, value, widened_sum
 from .rewrite import Builder
+from .scaled import distribute_a_factor
 
 aten = torch.ops.aten
-REGROUPINGS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
-# Ops that move elements without changing them (an all-reduce commutes with each), as an einsum leaves them.
-MOVES = REGROUPINGS | {aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
-                       aten.clone.default}
-
-
-def _reduced_source(node: torch.fx.Node, between=REGROUPINGS) -> tuple[torch.fx.Node, torch.fx.Node,
-                                                                         list[torch.fx.Node]] | None:
-    """(all-reduce node, its input, the chain from the sum down to the wait) if `node` is `between`
-    ops (regroupings) of `wait(all_reduce(x, "sum", g))` read only along this chain."""
-    chain = []
-    while node.target in between:
-        chain.append(node)
-        if len(node.users) != 1:
-            return None
-        node = node.args[0]
-    if node.target is not WAIT or len(node.users) != 1:
-        return None
-    chain.append(node)
-    all_reduce = node.args[0]
-    if all_reduce.target is not ALL_REDUCE or all_reduce.args[1] != "sum" or len(all_reduce.users) != 1:
-        return None
-    return all_reduce, all_reduce.args[0], chain
-
-
-def _replace_with_all_reduce(graph: torch.fx.Graph, old: torch.fx.Node, build: Builder, summed: torch.fx.Node,
-                             group_name: str, dead: list[torch.fx.Node]) -> None:
-    reduced = build.call(ALL_REDUCE, summed, "sum", group_name)
-    waited = build.call(WAIT, reduced)
-    old.replace_all_uses_with(waited)
-    for node in [old, *dead]:
-        if not node.users:
-            graph.erase_node(node)
-
-
-@dataclass
-class _Term:
-    """One all-reduced operand of a sum: `[factor *] regroup(wait(all_reduce(x)))`."""
-
-    all_reduce: torch.fx.Node
-    x: torch.fx.Node
-    chain: list[torch.fx.Node]  # from the operand down to the wait, erased with the all-reduce
-    reduced: torch.fx.Node  # the regrouped all-reduce result (the factor's other operand)
-    factor: Any = None
-    factor_first: bool = False
-
-
-def _term(node: torch.fx.Node) -> _Term | None:
-    found = _reduced_source(node)
-    if found is not None:
-        return _Term(*found, reduced=node)
-    if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2 or len(node.users) != 1:
-        return None
-    for i, reduced in enumerate(node.args):
-        found = _reduced_source(reduced) if isinstance(reduced, torch.fx.Node) else None
-        # The factor broadcasts into the reduced value: neither its shape nor its dtype changes.
-        if found is not None and same_shape(reduced, node) and value(reduced).dtype == value(node).dtype:
-            all_reduce, x, chain = found
-            return _Term(all_reduce, x, [node, *chain], reduced, factor=node.args[1 - i], factor_first=i == 1)
-    return None
-
-
-def _into_residual_stream(node: torch.fx.Node) -> bool:
-    """Whether `node` (through moves and products by a nonzero number) is added to something:
-    the residual stream."""
-    for user in node.users:
-        scaled = by_a_number(user)
-        passes = user.target in MOVES or (scaled is not None and scaled[1] != 0 and math.isfinite(scaled[1]))
-        if user.target is aten.add.Tensor or (passes and _into_residual_stream(user)):
-            return True
-    return False
 
 
 def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
@@ -120,7 +48,7 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     (back,) = add.users if len(add.users) == 1 else (None,)
     widened = widened_sum(back) if back is not None else None
     operands, result = (widened[1], back) if widened else (list(add.args), add)
-    terms = [_term(a) for a in operands]
+    terms = [reduced_term(a) for a in operands]
     if None in terms or terms[0].all_reduce is terms[1].all_reduce:
         return None
     out = value(result)
@@ -128,7 +56,7 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
             or any(value(t.x).dtype != out.dtype or value(t.x).numel() != out.numel() for t in terms):
         return None
     gated = any(t.factor is not None for t in terms)
-    if gated and not _into_residual_stream(result):
+    if gated and not into_residual_stream(result):
         return None
     build = Builder(graph, add)
     sources = [*(t.x for t in terms), *(t.reduced for t in terms), add]
@@ -149,7 +77,7 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     else:
         summed, dead = build.call(aten.add.Tensor, *parts), []
     dead += [node for t in terms for node in (*t.chain, t.all_reduce)]
-    _replace_with_all_reduce(graph, result, build, summed, terms[0].all_reduce.args[2], dead)
+    replace_with_all_reduce(graph, result, build, summed, terms[0].all_reduce.args[2], dead)
     return "gated" if gated else "plain"
 
 
@@ -163,12 +91,12 @@ def _merge_residual_first(graph: torch.fx.Graph, add: torch.fx.Node) -> str | No
         return None
     for i, inner in enumerate(add.args):
         last = add.args[1 - i]
-        if not is_add(inner) or list(inner.users) != [add] or _term(last) is None:
+        if not is_add(inner) or list(inner.users) != [add] or reduced_term(last) is None:
             continue
         for j, first in enumerate(inner.args):
             residual = inner.args[1 - j]
-            terms = (_term(first), _term(last))
-            if terms[0] is None or _term(residual) is not None or terms[0].all_reduce is terms[1].all_reduce \
+            terms = (reduced_term(first), reduced_term(last))
+            if terms[0] is None or reduced_term(residual) is not None or terms[0].all_reduce is terms[1].all_reduce \
                     or terms[0].all_reduce.args[2] != terms[1].all_reduce.args[2]:
                 continue
             if not all(same_shape(n, add) and value(n).dtype == value(add).dtype for n in (first, last, residual)):
@@ -192,79 +120,6 @@ def _merge_residual_first(graph: torch.fx.Graph, add: torch.fx.Node) -> str | No
     return None
 
 
-def scaled_all_reduce(wait: torch.fx.Node) -> tuple[torch.fx.Node, float | torch.fx.Node,
-                                                    list[torch.fx.Node]] | None:
-    """`wait(all_reduce(x)) [regroupings] * f` with f a number other than 1 (Granite's residual and
-    embedding multipliers, MiniCPM's depth scale) or a 0-d floating tensor (`_by_a_factor`) whose
-    product goes into the residual stream (Gemma's embedding normaliser, a buffer), the wait and
-    regroupings each read only by the next (the product may be read anywhere): (the product, f,
-    the nodes from the wait to it). f * AR(x) = AR(f * x) where f is the same on every rank: a
-    number is a constant of the traced program; a tensor is, for the reason a gate is in
-    `_merge_sum_of_two` (the residual stream and AR(x) are the same on every rank). The site then
-    starts at the product, and the op takes x and f (`input_scale`, or `input_scale_tensor`),
-    scaling x only where its kernel runs (docs/patterns.md)."""
-    chain, node = [wait], wait
-    while len(node.users) == 1:
-        (user,) = node.users
-        if user.target in REGROUPINGS:
-            chain.append(user)
-            node = user
-            continue
-        scaled = _by_a_factor(user)
-        if scaled is None or scaled[0] is not node:
-            return None
-        factor = scaled[1]
-        if isinstance(factor, torch.fx.Node):
-            if not _into_residual_stream(user):
-                return None
-            factor = _before_opmath_cast(factor, value(user).dtype)
-        return user, factor, [*chain, user]
-    return None
-
-
-def _before_opmath_cast(factor: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
-    """The fp64 0-d tensor under `factor = factor64.to(float32)` (what dynamic=True makes of a float
-    attribute) where the product's dtype computes in fp32 anyway (bf16, fp16, fp32): a 0-d factor
-    enters the multiply cast to that compute type, so the op gets the same product from the
-    fp64 input, and the cast, a CPU kernel once it feeds the op (H100: 77 s of C++ compile on
-    the first call), goes with the site."""
-    source = factor.args[0] if factor.target is CONVERT and factor.args[1] == torch.float32 else None
-    if source is not None and isinstance(source, torch.fx.Node) and value(source).dtype == torch.float64 \
-            and value(source).dim() == 0 and dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return source
-    return factor
-
-
-def _by_a_factor(node: torch.fx.Node) -> tuple[torch.fx.Node, float | torch.fx.Node] | None:
-    """(t, f) if `node` is `t * f`, f a finite number other than 1 or a 0-d floating tensor (a model's
-    float attribute under dynamic=True becomes one), the product of t's shape and dtype."""
-    scaled = by_a_number(node)
-    if scaled is not None:
-        if scaled[1] == 1 or not math.isfinite(scaled[1]):
-            return None
-        scaled = scaled[0], float(scaled[1])
-    else:
-        scaled = _by_a_scalar_tensor(node)
-    if scaled is None or not same_shape(scaled[0], node) or value(scaled[0]).dtype != value(node).dtype:
-        return None
-    return scaled
-
-
-def _by_a_scalar_tensor(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """(t, s) if `node` is `t * s` (either order) with s a 0-d floating tensor, else None. A 0-d
-    tensor does not promote t (`_by_a_factor` checks the product's dtype): it multiplies as a number
-    does, in t's compute type (an fp32 0-d factor is what dynamic=True makes of a float attribute)."""
-    if node.target is not aten.mul.Tensor or node.kwargs or len(node.args) != 2 \
-            or not all(isinstance(a, torch.fx.Node) for a in node.args):
-        return None
-    for t, s in (node.args, reversed(node.args)):
-        scalar, tensor = value(s), value(t)
-        if isinstance(scalar, torch.Tensor) and isinstance(tensor, torch.Tensor) and scalar.dim() == 0 \
-                and tensor.dim() > 0 and scalar.dtype.is_floating_point:
-            return t, s
-    return None
-
-
 def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     """sum([f *] AR(x), dims) -> AR(sum([f *] x, dims)): Llama-4's expert rows, and a dense combine
     spelled `(stack(experts) * gates).sum(dim)` once `_cat_before_all_reduce` made the stack one
@@ -272,8 +127,8 @@ def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     rule of `_merge_sum_of_two`: f is then the same on every rank)."""
     if total.target is not aten.sum.dim_IntList or not isinstance(total.args[0], torch.fx.Node):
         return False
-    term = _term(total.args[0])
-    if term is None or (term.factor is not None and not _into_residual_stream(total)):
+    term = reduced_term(total.args[0])
+    if term is None or (term.factor is not None and not into_residual_stream(total)):
         return False
     build = Builder(graph, total)
     regrouped = build.reshape(term.x, term.reduced, [term.x])
@@ -289,9 +144,9 @@ def _sum_before_all_reduce(graph: torch.fx.Graph, total: torch.fx.Node) -> bool:
     (user,) = total.users if len(total.users) == 1 else (None,)
     if user is not None and user.target is CONVERT and user.args[1] == value(term.x).dtype:
         summed = build.call(CONVERT, summed, user.args[1])
-        _replace_with_all_reduce(graph, user, build, summed, term.all_reduce.args[2], [total, *dead])
+        replace_with_all_reduce(graph, user, build, summed, term.all_reduce.args[2], [total, *dead])
     else:
-        _replace_with_all_reduce(graph, total, build, summed, term.all_reduce.args[2], dead)
+        replace_with_all_reduce(graph, total, build, summed, term.all_reduce.args[2], dead)
     return True
 
 
@@ -302,7 +157,7 @@ def _cat_before_all_reduce(graph: torch.fx.Graph, cat: torch.fx.Node) -> int:
     How many all-reduces fewer."""
     if cat.target is not aten.cat.default or len(cat.args[0]) < 2 or cat.kwargs:
         return 0
-    found = [_reduced_source(n) if isinstance(n, torch.fx.Node) else None for n in cat.args[0]]
+    found = [reduced_source(n) if isinstance(n, torch.fx.Node) else None for n in cat.args[0]]
     if None in found or len({f[0] for f in found}) != len(found) or len({f[0].args[2] for f in found}) != 1 \
             or len({value(n).dtype for n in cat.args[0]} | {value(cat).dtype}) != 1:
         return 0
@@ -313,7 +168,7 @@ def _cat_before_all_reduce(graph: torch.fx.Graph, cat: torch.fx.Node) -> int:
         return 0
     joined = build.call(aten.cat.default, parts, *cat.args[1:])
     dead = [node for all_reduce, _, chain in found for node in (*chain, all_reduce)]
-    _replace_with_all_reduce(graph, cat, build, joined, found[0][0].args[2], dead)
+    replace_with_all_reduce(graph, cat, build, joined, found[0][0].args[2], dead)
     return len(found) - 1
 
 
@@ -326,11 +181,11 @@ def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> boo
     if node.target not in (aten.mm.default, aten.bmm.default) or node.kwargs:
         return False
     for i, operand in enumerate(node.args):
-        found = _reduced_source(operand, MOVES)
-        if found is None or _reduced_source(node.args[1 - i], MOVES) is not None:
+        found = reduced_source(operand, MOVES)
+        if found is None or reduced_source(node.args[1 - i], MOVES) is not None:
             continue
         all_reduce, x, chain = found
-        if value(node).dtype != value(x).dtype or not _into_residual_stream(node) \
+        if value(node).dtype != value(x).dtype or not into_residual_stream(node) \
                 or not statically_known_true(value(node).numel() <= value(x).numel()):
             return False
         build = Builder(graph, node)
@@ -339,7 +194,7 @@ def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> boo
             moved = build.call(step.target, moved, *step.args[1:], **step.kwargs)
         args = list(node.args)
         args[i] = moved
-        _replace_with_all_reduce(graph, node, build, build.call(node.target, *args), all_reduce.args[2],
+        replace_with_all_reduce(graph, node, build, build.call(node.target, *args), all_reduce.args[2],
                                  [*chain, all_reduce])
         return True
     return False
@@ -376,44 +231,11 @@ def _drop_zero_add(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     if node.target not in (aten.add.Tensor, aten.add.Scalar) or node.kwargs or len(node.args) != 2:
         return False
     for term, zero in (node.args, reversed(node.args)):
-        if type(zero) in (int, float) and zero == 0 and isinstance(term, torch.fx.Node) \
-                and _term(term) is not None and same_shape(term, node) and value(term).dtype == value(node).dtype:
+        if type(zero) in (int, float) and zero == 0 and isinstance(term, torch.fx.Node) and reduced_term(term) \
+                is not None and same_shape(term, node) and value(term).dtype == value(node).dtype:
             node.replace_all_uses_with(term)
             graph.erase_node(node)
             return True
-    return False
-
-
-def _distribute_a_factor(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
-    """(AR(a) [regroupings] + b) [regroupings] * f -> (AR(a) [regroupings] * f + b * f) [regroupings],
-    f a number other than 1 or a 0-d tensor, b not all-reduced (Granite-4's MoE layers: `residual + (moe +
-    shared_mlp(h)).view(B, S, H) * residual_multiplier`, the shared MLP replicated): the all-reduce
-    is then scaled alone, a site that takes f (`scaled_all_reduce`), and b * f one more term of
-    its residual."""
-    scaled = _by_a_factor(node)
-    # A tensor factor must be the same on every rank where it is taken: judged on the product as
-    # the model wrote it (`scaled_all_reduce`'s rule), not on the split sum made here.
-    if scaled is None or (isinstance(scaled[1], torch.fx.Node) and not _into_residual_stream(node)):
-        return False
-    total, factor = scaled
-    while total.target in REGROUPINGS and len(total.users) == 1:
-        total = total.args[0]
-    if not is_add(total) or len(total.users) != 1 or value(total).dtype != value(node).dtype \
-            or value(total).numel() != value(node).numel():
-        return False
-    for i, reduced in enumerate(total.args):
-        other = total.args[1 - i]
-        if _reduced_source(reduced) is None or _reduced_source(other) is not None \
-                or not same_shape(other, total) or value(other).dtype != value(total).dtype:
-            continue
-        build = Builder(graph, total)
-        terms = [build.call(aten.mul.Tensor, t, factor) for t in total.args]
-        split = build.call(aten.add.Tensor, *terms)
-        total.replace_all_uses_with(split)
-        node.replace_all_uses_with(split if scaled[0] is total else scaled[0])  # drop the old product
-        graph.erase_node(node)
-        graph.erase_node(total)
-        return True
     return False
 
 
@@ -466,5 +288,5 @@ def merge(graph: torch.fx.Graph) -> dict[str, int]:
                 changed = True
     # After the merges: (AR(a) + AR(b)) * f has become AR(a + b) * f, a scaled site as it stands.
     for node in list(graph.nodes):
-        done["scaled_sums_distributed"] += _distribute_a_factor(graph, node)
+        done["scaled_sums_distributed"] += distribute_a_factor(graph, node)
     return done

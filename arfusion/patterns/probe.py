@@ -7,15 +7,20 @@ Two modes:
 
 The probe has its own number of rows: each size argument that carries the tokens is rescaled
 (`region.probe_shape`), which keeps every dim index valid. Everything runs on CPU.
+`Prober` makes the inputs of an encoded region (`encoding.Encoding`) and runs its nodes.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .region import CONSTANT_PRODUCERS, SIZED_SHAPE_OPS, hint, hinted_shape, probe_shape
+from . import forms
+from .encoding import Encoding, activation_sized
+from .region import CONSTANT_PRODUCERS, SIZED_SHAPE_OPS, hint, hinted_shape, probe_shape, value
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -72,3 +77,79 @@ def evaluate(nodes: list[torch.fx.Node], inputs: dict[torch.fx.Node, Any], *, ex
         except Exception as e:  # a shape the rescaling broke, an op CPU lacks for this dtype
             raise ProbeError(f"{node.name} ({target}): {type(e).__name__}: {e}") from e
     return env
+
+
+@dataclass
+class Probe:
+    """Inputs for one evaluation: real-dtype values, and the same values in float64."""
+
+    real: dict[torch.fx.Node, torch.Tensor]
+    exact: dict[torch.fx.Node, torch.Tensor]
+
+
+class Prober:
+    """Evaluates an encoded region's nodes on probes: inputs made for its roots by role (the
+    all-reduced value, up to `forms.MAX_RESIDUAL_TERMS` residual terms, a weight, scalars), the
+    same on every call, so that each answer can be compared with a form's on the same values."""
+
+    def __init__(self, enc: Encoding, device: torch.device):
+        self.enc, self.device = enc, device
+        region = enc.region
+        self.tokens, self.hidden = region.tokens, region.hidden
+        self.dtype = value(region.start).dtype
+        gen = torch.Generator().manual_seed(forms.PROBE_SEED)
+        rows = forms.PROBE_ROWS
+        self.reduced64 = forms.probe_activation(rows, self.hidden, self.dtype, gen).double()
+        self.terms64 = [forms.probe_activation(rows, self.hidden, self.dtype, gen).double()
+                        for _ in range(forms.MAX_RESIDUAL_TERMS)]
+        self.weight64 = torch.rand(self.hidden, generator=gen, dtype=torch.float64) * 3 - 1.5
+        self.region_size = len(region.nodes) + 1
+        self.members = set(enc.nodes[:self.region_size])
+
+    def role_of_root(self, i: int) -> str:
+        """What an outside root holds, by its shape: "activation", "vector" (per hidden),
+        "scalar" (one element) or "other"."""
+        shape = hinted_shape(self.enc.nodes[i])
+        numel = math.prod(shape)
+        if shape and shape[-1] == self.hidden and activation_sized(shape, self.enc.region):
+            return "activation"
+        if shape and shape[-1] == self.hidden and numel == self.hidden:
+            return "vector"
+        return "scalar" if numel == 1 else "other"
+
+    def _probe_value(self, values64: torch.Tensor, node: torch.fx.Node, carries_tokens: bool):
+        shape = hinted_shape(node)
+        if carries_tokens:
+            shape = probe_shape(shape, self.tokens, forms.PROBE_ROWS)
+            if shape is None:
+                raise ProbeError(f"cannot rescale {node.name} to {forms.PROBE_ROWS} rows")
+        real = values64.reshape(shape).to(value(node).dtype)
+        return real, real.double()
+
+    def inputs(self, residuals: tuple[int, ...], weight: int | None, scalars: dict[int, float]) -> Probe:
+        """Probe values for the all-reduced value, the residual terms, the weight and `scalars`."""
+        probe = Probe({}, {})
+        given = [(0, self.reduced64, True), *((r, t, True) for r, t in zip(residuals, self.terms64)),
+                 (weight, self.weight64, False),
+                 *((i, torch.tensor(v, dtype=torch.float64), False) for i, v in scalars.items())]
+        for i, values64, carries_tokens in given:
+            if i is not None:
+                node = self.enc.nodes[i]
+                probe.real[node], probe.exact[node] = self._probe_value(values64, node, carries_tokens)
+        return probe
+
+    def run(self, site_ids, probe: Probe, exact: bool) -> dict:
+        """The values of the site's nodes (and their inputs' preparation) on `probe`."""
+        nodes = self.enc.evaluation_order(site_ids)
+        return evaluate(nodes, probe.exact if exact else probe.real, exact=exact, tokens=self.tokens,
+                        rows=forms.PROBE_ROWS)
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(forms.PROBE_ROWS, -1)
+
+    def given(self, probe: Probe, i: int | None, exact: bool) -> torch.Tensor | None:
+        """The probe value of root `i` (None: no such input), in rows if it carries the tokens."""
+        if i is None:
+            return None
+        t = (probe.exact if exact else probe.real)[self.enc.nodes[i]]
+        return self.rows(t) if i == 0 or self.role_of_root(i) == "activation" else t.reshape(-1)

@@ -16,6 +16,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .. import ops  # noqa: F401  (registers torch.ops.arfusion.*, read below)
 from ..core import Site
 from .classify import Match
 from .moe_combine import Combine
