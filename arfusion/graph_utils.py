@@ -6,6 +6,8 @@ import operator
 
 import torch
 
+from . import ops  # noqa: F401  (registers torch.ops.arfusion.*, used below)
+
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 # What torch's SequenceParallel turns a row-parallel all-reduce into: a reduce-scatter (then an

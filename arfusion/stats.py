@@ -1,9 +1,14 @@
-"""Process-wide counters: what the pass fused and where the fused op dispatched."""
+"""Process-wide counters: what the pass fused and where the fused op dispatched.
+
+The module is callable: `arfusion.stats()` is `stats()` (the package's name `stats` is this module).
+"""
 
 from __future__ import annotations
 
 import copy
+import sys
 import threading
+import types
 from collections import Counter
 
 _lock = threading.Lock()
@@ -152,3 +157,11 @@ def reset_stats() -> None:
 
 def snapshot() -> dict:
     return copy.deepcopy(stats())
+
+
+class _Callable(types.ModuleType):
+    def __call__(self) -> dict:
+        return stats()
+
+
+sys.modules[__name__].__class__ = _Callable

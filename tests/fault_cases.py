@@ -335,6 +335,7 @@ def _fake_flashinfer(process):
 
 
 def _fused_op_vs_reference(process, backend_name):
+    import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
     from arfusion import reference
     from arfusion.core import Site
 

@@ -104,7 +104,7 @@ def _decoder(rank):
 
 def _op_outputs_by_name(rank):
     """Direct op calls: each output is what its name says, on both the fused and fallback path."""
-    import arfusion
+    import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
     from arfusion import reference
     from arfusion.core import Site
 

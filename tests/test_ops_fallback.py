@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import arfusion
+import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
 from arfusion import execution, reference, runtime
 from arfusion.core import Site
 

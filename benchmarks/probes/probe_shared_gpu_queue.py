@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from check_moe_combine import EPS, K, graph_of, make_inputs, moe_op  # noqa: E402
 from shared_gpu import lift_shared_gpu_guard  # noqa: E402
 
-import arfusion  # noqa: E402,F401
+import arfusion.ops  # noqa: E402,F401  (registers torch.ops.arfusion.*)
 
 
 def plain_site(rows, scale, index, residual, weight, group_name):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import arfusion
+import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
 from arfusion import reference
 from arfusion.backends import flashinfer as fi_module
 from arfusion.backends import flashinfer_dispatch as dispatch

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-import arfusion  # noqa: F401  (registers the ops)
+import arfusion.ops  # noqa: F401  (registers the ops)
 from arfusion import reference
 from arfusion.backends import flashinfer_dispatch as dispatch
 from arfusion.backends import get_backend

@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import check_flashinfer as cf  # noqa: E402
 
-import arfusion  # noqa: E402
+import arfusion.ops  # noqa: E402,F401  (registers torch.ops.arfusion.*)
 from arfusion import quant, reference  # noqa: E402
 from arfusion.backends import get_backend  # noqa: E402
 from arfusion.core import Site  # noqa: E402
