@@ -41,6 +41,8 @@ def result(tmp_path_factory):
                     "--replays", "20")
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_every_phase_ran(result):
     phases = result["json"]["phases"]
     assert set(phases) == {"startup", "decode", "accuracy", "prefill", "kernels", "loop", "generate"}
@@ -50,6 +52,8 @@ def test_every_phase_ran(result):
     assert "decode step" in result["stdout"] and "startup to first token" in result["stdout"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_startup_fuses_every_site_cold_and_warm_hits_the_cache(result):
     s = result["json"]["phases"]["startup"]
     assert s["cold_on"]["fused_sites"] == 2 * LAYERS + 1
@@ -60,6 +64,8 @@ def test_startup_fuses_every_site_cold_and_warm_hits_the_cache(result):
     assert s["warm_on"]["seconds"] < s["cold_on"]["seconds"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_decode_rows_dispatch_the_fused_op_only_when_on(result):
     rows = result["json"]["phases"]["decode"]["rows"]
     assert [r["batch"] for r in rows] == [1, 4]
@@ -68,6 +74,8 @@ def test_decode_rows_dispatch_the_fused_op_only_when_on(result):
         assert set(r["on_dispatch"]) == {"torch"} and r["off_dispatch"] == {}
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_decode_steps_take_the_norm_weight_into_the_op(result):
     """Batch 1 decodes one token: HF Llama's norm is still the `rms` form with its weight in the
     op (it was once left as a multiply after a weightless site, one more kernel per site)."""
@@ -75,6 +83,8 @@ def test_decode_steps_take_the_norm_weight_into_the_op(result):
     assert forms and not [name for name in forms if "fp32_weight" in name], forms
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_fused_answers_match_unfused(result):
     acc = result["json"]["phases"]["accuracy"]
     assert acc["steps"] == 8 and len(acc["on_vs_off_rel_l2"]) == 8
@@ -87,6 +97,8 @@ def test_fused_answers_match_unfused(result):
     assert acc["summary"]["on_vs_fp32_max_rel_l2"] < 2 * acc["summary"]["off_vs_fp32_max_rel_l2"] + 1e-3
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_generate_and_loop_compile_graphs_the_pass_fuses(result):
     for kind in ("generate", "loop"):
         g = result["json"]["phases"][kind]
@@ -109,6 +121,8 @@ def assert_steady_state_by_difference(row: dict, lengths=LENGTHS):
     assert row["graphs_compiled"] >= 1 and "cudagraph_work" in row
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_loop_and_generate_report_steady_state_and_fixed_cost_apart(result):
     phases = result["json"]["phases"]
     for kind in ("loop", "generate"):
@@ -136,6 +150,8 @@ def test_steady_state_separates_the_fixed_cost():
     assert counts["kernels"] == {"per_token": 300.0, "per_call": 600.0}
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_fake_world_runs_the_tp_model_on_one_process(tmp_path):
     """--fake-world 2: one process holds rank 0's shards (torch's fake process group), compiles
     and fuses every site as a real rank does, and times loop and generate the same way."""
@@ -150,6 +166,8 @@ def test_fake_world_runs_the_tp_model_on_one_process(tmp_path):
             assert_steady_state_by_difference(phases[kind][name])
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_plot(result, tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "decode.png"
@@ -158,6 +176,8 @@ def test_plot(result, tmp_path):
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_prefill_with_the_quantized_all_reduce(tmp_path):
     """--quantized fp8: a third prefill config; on CPU the torch backend emulates the quantized
     all-reduce at every size, so every site of the prefill runs it."""
