@@ -186,11 +186,14 @@ class FusionReport:
         assert_fused(self, left=0)
 
     def summary(self) -> dict:
-        """The coverage sweep's fields of a model (docs/data/coverage.json): fused (sites, as
-        stats count them), by_pattern, unfused_sites, why_not, rewrites, graphs, not_fused_log
+        """The coverage sweep's fields of a model (docs/data/coverage.json): all_reduces (per
+        forward, as the pass met them, merged ones included), merged, fast_path, left_nccl and
+        nccl_reasons (why each left one is not on the fast path), fused (sites, as stats count them), by_pattern, unfused_sites, why_not, rewrites, graphs, not_fused_log
         (the log's "not fused" lines by reason) and log (its first 20 lines about fusing)."""
         s = self.stats
-        return {"fused": s.get("fused_sites", 0), "by_pattern": s.get("by_pattern", {}),
+        return {"all_reduces": self.all_reduces, "merged": self.merged, "fast_path": self.count("fast_path"),
+                "left_nccl": self.count("nccl"), "nccl_reasons": dict(self.reasons),
+                "fused": s.get("fused_sites", 0), "by_pattern": s.get("by_pattern", {}),
                 "unfused_sites": s.get("unfused_sites"), "why_not": s.get("why_not", {}), "rewrites": self.rewrites,
                 "graphs": s.get("graphs"), "not_fused_log": not_fused_reasons(self.log),
                 "log": [line for line in self.log if "fused" in line][:20]}
