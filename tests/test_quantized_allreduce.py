@@ -318,6 +318,8 @@ def test_compiled_model_runs_the_quantized_all_reduce(results, level):
         assert 0 < got["vs_exact"] < {"fp8": 0.08, "int8": 0.03, "int6": 0.08, "int4": 0.3}[level]
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_threshold_boundary_static_shapes(results):
     for r in results:
         assert r["at_threshold"]["stats"]["dispatch"] == {"torch quantized fp8": 1}
@@ -326,12 +328,16 @@ def test_threshold_boundary_static_shapes(results):
         assert r["below_threshold"]["exact"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_run_time_choice_with_dynamic_shapes(results):
     for r in results:
         assert r["dynamic"]["stats"]["dispatch"] == {"torch": 1, "torch quantized int8": 1}
         assert r["dynamic"]["small_exact"] and not r["dynamic"]["large_exact"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_emulated_fp8_keeps_each_ranks_own_stripe_exact(results):
     for r in results:
         assert r["stripes"]["own_exact_vs_fp8_sum"] == 0.0
@@ -339,6 +345,8 @@ def test_emulated_fp8_keeps_each_ranks_own_stripe_exact(results):
     assert results[0]["stripes"]["others_differ"]
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_missing_library_or_symmetric_memory_falls_back_on_every_rank(results):
     for r in results:
         first, second = r["missing"]
