@@ -162,6 +162,10 @@ for s in "$@"; do
           --seed $([ $j = a ] && echo 1 || echo 2) --out "$OUT/soak_two_jobs_$j" > "$OUT/jobs1shared_$j.log" 2>&1 &
       done
       wait; tail -n 12 "$OUT"/jobs1shared_a.log "$OUT"/jobs1shared_b.log ;;
+    fastar2)  # the fast-path all-reduce (not a site) through FlashInfer, eager and reduce-overhead, two GPUs
+      stage fastar2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_fast_all_reduce.py --out "$OUT/fast_all_reduce" ;;
+    fastar1shared) CHECK_HANG_S=$(( ${LIMIT:-300} - 15 )) stage fastar1shared "${LIMIT:-300}" $TORCHRUN 2 \
+      tests/gpu/check_fast_all_reduce.py --shared-gpu --out "$OUT/fast_all_reduce_shared_gpu" ;;
     faults1shared)  # issue 15's faults with the real FlashInfer: a cache hit in fresh processes, a rank failing
       for c in ${FAULT_CASES:-cold warm fail_build low_memory}; do
         stage "faults1shared-$c" "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_faults.py --shared-gpu --case $c \
