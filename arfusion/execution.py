@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import reference, stats
 from .backends import resolve
-from .core import PLAIN, Call, Site, num_tokens
+from .core import PLAIN, Call, Site
 from .runtime import capturing, compiled, group_size, log_once, outside_graph_pools, scalar_value
 
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from .core import QUANTIZED_LEVELS
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,12 @@ Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fu
 and `allreduce_fusion`, always with backend="trtllm". "auto" would pick "mnnvl" on NVSwitch
 machines, which uses NVLink multicast: not allowed on shared machines and not needed on one node.
 
-Lifecycle of the per-group workspace (all of it inside the fused op, at run time, because a
-warm FX-graph cache loads rewritten graphs without running the pass):
-  * created on the first eager call that wants it, never during CUDA-graph capture (a capture
-    without a workspace declines, and the op computes the unfused result);
-  * collectively: the ranks first compare readiness and environment, then create it, then
-    confirm success; any failure anywhere makes every rank fall back, so no rank waits forever
-    in a kernel its peers never enter;
-  * sized for the largest input that will be fused and reused across shapes and graphs while
-    `is_buffer_size_sufficient`; an outgrown one is kept alive (graphs may still point into it);
-  * destroyed at exit.
+The per-group workspace lives inside the op, at run time (a warm FX-graph cache skips the pass):
+  * made on the first eager call that wants it, never during capture (a capture without one declines);
+  * collectively: readiness and environment compared, then made, then its success confirmed; any
+    failure anywhere makes every rank fall back, so no rank waits in a kernel its peers never enter;
+  * sized for the largest fused input, reused while `is_buffer_size_sufficient`; an outgrown one
+    is kept alive (graphs may still point into it); destroyed at exit.
 """
 
 from __future__ import annotations
@@ -53,16 +49,14 @@ from .base import Backend, Capabilities
 
 log = logging.getLogger("arfusion")
 
-# The unified allreduce_fusion calls FlashInfer's own deprecated entry point on every call.
+# The unified allreduce_fusion calls FlashInfer's deprecated entry point on every call.
 warnings.filterwarnings("ignore", message="use the unified API allreduce.py", category=DeprecationWarning)
 
 FI_BACKEND = "trtllm"  # the only FlashInfer backend this module ever asks for
 
-# (Site.quant, Site.emit_norm) -> the AllReduceFusionPattern member that computes the site.
-# Per-group FP8 has no FlashInfer kernel with fp32 [T, H/128] scales (codes 8/9 write packed
-# UE8M0 int32 scales, another format), so it runs code 1 and then one compiled quant kernel.
-# NVFP4 (codes 3/5) is dispatched only where dispatch.quant_problem allows (SM100+): on SM90 it
-# silently writes zeros.
+# (Site.quant, Site.emit_norm) -> the AllReduceFusionPattern member that computes the site. Per-group
+# FP8 runs code 1, then one compiled quant kernel (codes 8/9 write packed UE8M0 int32 scales, not fp32
+# [T, H/128]). NVFP4 (codes 3/5) only where dispatch.quant_problem allows (SM100+; SM90 writes zeros).
 QUANT_KERNELS = {
     "none": {True: "kARResidualRMSNorm"},
     "fp8_static": {False: "kARResidualRMSNormFP8Quant", True: "kARResidualRMSNormOutFP8Quant"},
@@ -71,9 +65,7 @@ QUANT_KERNELS = {
     "nvfp4": {False: "kARResidualRMSNormFP4Quant", True: "kARResidualRMSNormOutFP4Quant"},
 }
 IN_KERNEL_QUANTS = ("fp8_static", "fp8_dynamic", "nvfp4")  # FlashInfer writes quant (and scale) itself
-# NVFP4 block scales row-major [T, H/16] (QuantizationSFLayout.LINEAR), as the reference and
-# torchao's unswizzled quantizer give them; the model's own swizzle (if any) follows the op.
-NVFP4_LINEAR_LAYOUT = 2
+NVFP4_LINEAR_LAYOUT = 2  # block scales row-major [T, H/16], as the reference and torchao's unswizzled quantizer
 
 
 @dataclass(frozen=True)
