@@ -225,21 +225,25 @@ def save_random_model(config, path: str, dtype: torch.dtype = torch.bfloat16, se
 
 def load_tp_model(source: Any, tp: int | None = None, dtype: torch.dtype = torch.bfloat16):
     """A causal LM loaded tensor-parallel (its "auto" plan) over the current process group, in
-    eval mode: `source` a checkpoint directory (its weights), or a config (no weights read:
-    the means of the init distributions; any tensor left unset holding a non-finite value is
-    zeroed). `tp`: the TP size (None: WORLD_SIZE's, as under torchrun)."""
+    eval mode, ready to compile (`arfusion.hf.prepare_for_compile`): `source` a checkpoint
+    directory (its weights), or a config (no weights read: the means of the init distributions;
+    any tensor left unset holding a non-finite value is zeroed). `tp`: the TP size (None:
+    WORLD_SIZE's, as under torchrun)."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(source, (str, os.PathLike)):
-        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **_tp(tp)).eval()
-    with _init_by_fill():
-        model = causal_lm_class(source).from_pretrained(None, config=source, state_dict={}, dtype=dtype, **_tp(tp))
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            local = t.to_local() if hasattr(t, "to_local") else t
-            if local.is_floating_point() and not torch.isfinite(local.sum()):  # a sum: no copy of the tensor
-                local.zero_()
-    return model.eval()
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **_tp(tp)).eval()
+    else:
+        with _init_by_fill():
+            model = causal_lm_class(source).from_pretrained(None, config=source, state_dict={}, dtype=dtype,
+                                                            **_tp(tp)).eval()
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                local = t.to_local() if hasattr(t, "to_local") else t
+                if local.is_floating_point() and not torch.isfinite(local.sum()):  # a sum: no copy of the tensor
+                    local.zero_()
+    prepare_for_compile(model)  # graph breaks in transformers' code: q/k-norm hooks (<= 5.17), looped experts
+    return model
 
 
 # ----------------------------------------------------------------------------- FP8 activation quant
@@ -313,7 +317,6 @@ def check(spec: str, tp: int = 2, tokens=TOKENS, quant: str | None = None,
                 raise
             except Exception as e:
                 raise CheckError(f"{model_type} does not load with its TP plan at TP={tp}: {one_line(e)}") from e
-            prepare_for_compile(model)
             if quant:
                 add_activation_quant(model, quant)
             progress.update("loaded")

