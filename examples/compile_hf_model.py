@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import arfusion
+from arfusion.check import add_activation_quant  # FP8 activation quant after each norm, as `arfusion check --quant`
 from arfusion.hf import prepare_for_compile, tp_kwargs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -53,43 +54,6 @@ def save_random_model(config, dtype) -> str:
         model.save_pretrained(path[0])
     dist.broadcast_object_list(path, src=0)
     return path[0]
-
-
-# Activation quant in front of the linears that read a norm, spelled as FP8 checkpoints and
-# torchao spell it, then dequantized so the matmul runs anywhere (a real FP8 model would hand
-# the FP8 tensor and scale to an FP8 matmul; the quant is what arfusion fuses either way).
-FP8 = torch.float8_e4m3fn
-NORM_READERS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-
-
-def fp8_static(x, scale):
-    return (x / scale).clamp(-448, 448).to(FP8).to(x.dtype) * scale.to(x.dtype)
-
-
-def fp8_dynamic(x):  # torchao's per-row spelling (Float8DynamicActivationFloat8WeightConfig, PerRow)
-    scale = (x.abs().amax(dim=x.dim() - 1, keepdim=True) / 448.0).to(torch.float32)
-    return ((x.to(torch.float32) / scale).clamp(-448.0, 448.0).to(FP8).to(torch.float32) * scale).to(x.dtype)
-
-
-def fp8_group(x, group=128):
-    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group, group)
-    scale = g.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / 448.0
-    q = (g / scale).clamp(-448, 448).to(FP8).reshape(x.shape)
-    # Consumed as an FP8 GEMM reads it: [T, H] values with [T, H / 128] scales.
-    return (q.float() * scale.squeeze(-1).repeat_interleave(group, dim=-1)).to(x.dtype)
-
-
-def add_activation_quant(model, mode: str) -> None:
-    """One quantizer per norm output: q/k/v (and gate/up) of a layer share its static scale."""
-    scales = {}
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in NORM_READERS:
-            continue
-        block = name.rsplit(".", 2)[0]  # layers.i.self_attn.q_proj -> layers.i
-        scale = scales.setdefault(block + name.split(".")[-2], torch.tensor(0.05, device=module.weight.device))
-        quantize = {"fp8-static": lambda x, s=scale: fp8_static(x, s), "fp8-dynamic": fp8_dynamic,
-                    "fp8-group": fp8_group}[mode]
-        module.register_forward_pre_hook(lambda mod, args, q=quantize: (q(args[0]), *args[1:]))
 
 
 @torch.no_grad()
