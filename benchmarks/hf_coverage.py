@@ -9,9 +9,8 @@ Each causal-LM model type with a TP plan (`arfusion.check.architectures`) as a t
 (`arfusion.check.load_tp_model`): the eager model under an independent site counter
 (`hf_site_counter.py`), plain `torch.compile`, and `torch.compile` with the pass (backend "torch",
 through `arfusion.testing.compile_and_run` as `arfusion check`); logits errors max|a-b|/max|b|.
-One torchrun pair takes the architectures in turn; past --timeout (or when a rank dies) the
-driver kills it, records the architecture and starts a new pair. The ranks agree after each step
-(all_gather_object) and skip the rest of an architecture together. Writes --md and --json.
+One torchrun pair takes the architectures in turn; past --timeout (or a dead rank) the driver kills
+it, records the architecture and starts a new pair. Ranks agree after each step. Writes --md, --json.
 """
 
 from __future__ import annotations
@@ -277,12 +276,12 @@ def why_not(row: dict) -> str:
 
 
 def summary(rows: list[dict]) -> dict:
-    ran = [r for r in rows if "sites" in r]
-    compiled = [r for r in ran if "fused" in r]
-    return {"architectures": len(rows), "counted": len(ran), "compiled_with_pass": len(compiled),
-            "sites": sum(r["sites"] for r in ran), "fused": sum(r.get("fused", 0) for r in compiled),
+    ran, compiled = [r for r in rows if "sites" in r], [r for r in rows if "sites" in r and "fused" in r]
+    totals = {k: sum(r.get(k) or 0 for r in compiled) for k in ("fused", "all_reduces", "merged", "fast_path", "left_nccl")}
+    return {"architectures": len(rows), "counted": len(ran), "compiled_with_pass": len(compiled), **totals,
+            "sites": sum(r["sites"] for r in ran), "with_sites": sum(1 for r in ran if r["sites"] > 0),
             "fully_fused": sum(1 for r in compiled if r["sites"] > 0 and r["fused"] >= r["sites"]),
-            "with_sites": sum(1 for r in ran if r["sites"] > 0), "failed": sum(1 for r in rows if r.get("error"))}
+            "failed": sum(1 for r in rows if r.get("error"))}
 
 
 NOISY_ERR = 2e-2  # the logits bar of the MoE issue; rows above it get a line in the header
@@ -319,7 +318,8 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
     w("# Coverage: every Hugging Face architecture with a tensor-parallel plan\n\n")
     w(f"**{s['architectures']} architectures, {s['sites']} sites (counter), {s['fused']} fused, "
       f"{s['fully_fused']} fully fused** (of {s['with_sites']} with at least one site; "
-      f"{s['failed']} did not complete).\n\n")
+      f"{s['failed']} did not complete). Of their {s['all_reduces']} all-reduces, {s['fused']} fused into sites, "
+      f"{s['merged']} merged into another, {s['fast_path']} on the fast path, {s['left_nccl']} left on NCCL.\n\n")
     w(f"- command: `{meta['command']}`\n- date: {meta['date']}; wall time {meta['wall_s'] / 60:.1f} min\n- torch "
       f"{meta['torch']}, transformers {meta['transformers']}, arfusion {meta['arfusion']} (commit {meta['commit']})\n")
     for u in meta.get("updates", []):
