@@ -117,10 +117,14 @@ def test_table_rows_and_summary(sweep):
     assert [re.match(r"\| `([^`]+)` \|", line).group(1) for line in rows] == list(SWEEP)
     for line in rows:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        assert len(cells) == 8, line
+        assert len(cells) == 10, line
         assert cells[1].isdigit() and cells[2].isdigit(), line
-        assert re.fullmatch(r"\d\.\de[+-]\d\d", cells[5]) and re.fullmatch(r"\d\.\de[+-]\d\d", cells[6]), line
+        split = re.fullmatch(r"(\d+): (\d+) / (\d+) / (\d+) / (\d+)", cells[3])  # fused / merged / fast / NCCL
+        assert split and int(split[1]) == sum(int(n) for n in split.groups()[1:]), line
+        assert re.fullmatch(r"\d\.\de[+-]\d\d", cells[6]) and re.fullmatch(r"\d\.\de[+-]\d\d", cells[7]), line
     assert re.search(r"\*\*5 architectures, \d+ sites \(counter\), \d+ fused, \d+ fully fused\*\*", md)
+    assert re.search(r"Of their \d+ all-reduces, \d+ fused into sites, \d+ merged into another, \d+ on the fast path, "
+                     r"0 left on NCCL", md)
     assert "## How the counter works" in md
     assert hf_coverage.table_row(sweep["rows"]["llama"]) in md
 
