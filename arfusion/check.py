@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -310,7 +311,9 @@ def check(spec: str, tp: int = 2, tokens=TOKENS, quant: str | None = None,
     progress = Progress(1 + len(tokens), f"arfusion check {model_type}", enabled=show_progress)
     reports = []
     try:
-        with fake_world(tp):
+        # Dynamo's and Inductor's warnings about transformers' code are not the user's to act on.
+        with fake_world(tp), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             try:
                 model = load_tp_model(config, tp)
             except CheckError:

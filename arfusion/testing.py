@@ -31,10 +31,10 @@ from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from .stats import decisions as pass_decisions
-from .stats import stats as pass_stats
 from .config import PassConfig
 from .fusion_pass import inductor_options
+from .stats import decisions as pass_decisions
+from .stats import stats as pass_stats
 
 # stats() counters of the rewrites made before matching, and how a report names them.
 REWRITES = {"summed_all_reduces_merged": "merged", "gated_all_reduces_merged": "of them gated",
