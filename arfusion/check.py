@@ -11,16 +11,17 @@ pass for each token count; one row per all-reduce and a one-line verdict. No wei
 or downloaded: parameters hold the means of transformers' init distributions (zeros for most;
 cheap at any width), and the pass judges every region on probe values of its own.
 
-Also what `benchmarks/hf_coverage.py` builds its models with: `architectures`, `keep_layers`,
-`load_tp_model`. transformers is imported inside the functions (`import arfusion` does not).
+Also what `benchmarks/coverage/hf_coverage.py` builds its models with: `architectures`,
+`save_random_model`, `load_tp_model`. transformers is imported inside the functions (`import arfusion` does not).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import difflib
 import json
+import logging
+import math
 import os
 import sys
 import time
@@ -32,10 +33,10 @@ from typing import Any, Iterator
 import torch
 
 from .hf import prepare_for_compile, tp_kwargs
+from .hf.configs import LAYERS, keep_layers
 from .testing import FusionReport, fake_world, fusion_report
 from .tuning import Progress
 
-LAYERS = 2
 TOKENS = (1, 8)
 
 
@@ -61,63 +62,6 @@ def architectures() -> list[tuple[str, str | None]]:
         elif getattr(config_cls, "base_model_ep_plan", None):
             out.append((model_type, "expert-parallel plan only (no base_model_tp_plan)"))
     return out
-
-
-# ----------------------------------------------------------------------------- two layers
-LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer")
-# At most this many of the first layers dense, so that a MoE layer remains among 2.
-DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
-# Lists of layer indices (not one entry per layer).
-INDEX_LISTS = ("mlp_only_layers", "moe_layers", "ple_layer_ids")
-
-
-def per_layer_lists(d: dict, layers: int) -> dict[str, list]:
-    """The config entries that hold one value per layer (`layer_types`, `mlp_layer_types`, ...)."""
-    return {k: v for k, v in d.items()
-            if isinstance(v, list) and len(v) == layers and layers > 1 and k not in INDEX_LISTS
-            and k != "eos_token_id"}
-
-
-def chosen_layers(d: dict) -> list[int]:
-    """The layers a 2-layer cut keeps: layer 0 and the first whose kinds differ from it (else 1)."""
-    layers = d.get("num_hidden_layers") or d.get("num_layers") or d.get("n_layer") or LAYERS
-    per_layer = per_layer_lists(d, layers)
-    overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
-    if not per_layer and not overrides:
-        return list(range(LAYERS))
-    sig = [tuple(repr(v[i]) for v in per_layer.values()) + (repr(overrides.get(i)),) for i in range(layers)]
-    return [0, next((i for i in range(1, layers) if sig[i] != sig[0]), 1)]
-
-
-def keep_layers(d: dict, other=None, finish=None, override=None, _top: bool = True) -> dict:
-    """A config dict (`config.to_dict()`) cut to 2 decoder layers of the kinds `chosen_layers`
-    picks: layer counts, per-layer lists, index lists, dense prefixes, per-layer overrides; and
-    the same in every sub-config (text_config, ...). Hooks for a caller that changes more
-    (benchmarks/hf_tiny_configs.py): `other(key, value)` gives every other entry its value,
-    `override(values, d)` each kept per-layer override's, `finish(d, top)` ends each level."""
-    d = copy.deepcopy(d)
-    source = dict(d)
-    layers = d.get("num_hidden_layers") or d.get("num_layers") or d.get("n_layer") or LAYERS
-    per_layer = per_layer_lists(d, layers)
-    overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
-    chosen = chosen_layers(d)
-    for key, value in list(d.items()):
-        if key == "per_layer_config" and value:
-            d[key] = {str(j): override(overrides[i], source) if override else overrides[i]
-                      for j, i in enumerate(chosen) if i in overrides}
-        elif isinstance(value, dict) and ("hidden_size" in value or "model_type" in value):
-            d[key] = keep_layers(value, other, finish, override, _top=False)
-        elif key in per_layer:
-            d[key] = [value[i] for i in chosen]
-        elif key in INDEX_LISTS and isinstance(value, list):
-            d[key] = [j for j, i in enumerate(chosen) if i in value]
-        elif key in DENSE_PREFIX and isinstance(value, int) and not isinstance(value, bool):
-            d[key] = min(value, LAYERS - 1)
-        elif key in LAYER_COUNTS and isinstance(value, int) and not isinstance(value, bool):
-            d[key] = LAYERS
-        elif other is not None:
-            d[key] = other(key, value)
-    return finish(d, _top) if finish else d
 
 
 def _with_tp_plan(config):
@@ -168,6 +112,59 @@ def causal_lm_class(config):
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         raise CheckError(f"model type '{config.model_type}' has no causal-LM class in transformers") from None
+
+
+# ----------------------------------------------------------------------------- TP size
+# Widths the TP plan splits into equal slices, one per rank: attention heads, key/value heads and
+# each expert's intermediate size. `--tp` must divide them. transformers splits other widths
+# unevenly (a dense MLP's, the vocabulary's), and those run. A "colwise" projection has its
+# output sharded, as transformers' `get_kv_heads_per_rank` reads the plan.
+QUERY_PROJECTIONS = ("q_proj", "q_b_proj", "q_gate_proj", "qkv_proj", "query_key_value")
+KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+EXPERT_WIDTHS = ("moe_intermediate_size", "expert_ffn_hidden_size", "intermediate_size")
+
+
+def _sharded_widths(config) -> list[tuple[str, str]]:
+    """(what, config attribute) of each width that the TP plan of `config` must split evenly."""
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    colwise = {key.rsplit(".", 1)[-1] for key, style in plan.items() if style == "colwise"}
+    widths = []
+    if colwise & set(QUERY_PROJECTIONS):
+        widths.append(("attention heads", "num_attention_heads"))
+    if colwise & set(KEY_PROJECTIONS):
+        widths.append(("key/value heads", "num_key_value_heads"))
+    has_experts = any(isinstance(getattr(config, a, None), int) and getattr(config, a) > 0 for a in EXPERT_COUNTS)
+    if has_experts and any("experts" in key.split(".") and style.startswith(("colwise", "rowwise", "packed_"))
+                           for key, style in plan.items()):
+        width = next((a for a in EXPERT_WIDTHS if getattr(config, a, None)), "")
+        widths.append(("experts' intermediate size", width))
+    return widths
+
+
+def check_tp_size(config, model_type: str, tp: int) -> None:
+    """CheckError naming the first width that the TP plan shards and `tp` does not divide: one
+    line before loading, where compiling would fail on a shape deep in Dynamo."""
+    values = []  # (what, attribute, width); a per-layer list gives one per layer
+    for what, attr in _sharded_widths(config):
+        value = getattr(config, attr, None)
+        values += [(what, attr, v) for v in (value if isinstance(value, list) else [value])
+                   if isinstance(v, int) and v > 0]
+    bad = next((value for value in values if value[2] % tp), None)
+    if bad is None:
+        return
+    what, attr, width = bad
+    if not what.endswith("heads"):
+        said = f"the {what}, {width} ({attr}), does not split over TP={tp} (the TP plan shards it)"
+    elif width == 1:
+        said = f"1 {what[:-1]} ({attr}) does not split over TP={tp} (the TP plan shards it)"
+    else:
+        said = f"{width} {what} ({attr}) do not split over TP={tp} (the TP plan shards them)"
+    every = math.gcd(*(v for _, _, v in values))
+    fits = [str(n) for n in range(2, 17) if every % n == 0]
+    if fits:
+        said += f"; --tp {' or '.join(filter(None, [', '.join(fits[:-1]), fits[-1]]))} would fit"
+    raise CheckError(f"{model_type}: {said}")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -307,6 +304,7 @@ def check(spec: str, tp: int = 2, tokens=TOKENS, quant: str | None = None,
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     config, model_type, layers = two_layer_config(spec)
+    check_tp_size(config, model_type, tp)
     text = config.get_text_config()
     progress = Progress(1 + len(tokens), f"arfusion check {model_type}", enabled=show_progress)
     reports = []
@@ -351,6 +349,10 @@ def verdict(model_type: str, reports: list[tuple[int, FusionReport]]) -> str:
 def main(args) -> int:
     """`arfusion check` (argparse namespace: model, tp, tokens, quant, json, quiet)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model type or a local directory: nothing to fetch
+    # transformers imports torchao whenever it is installed (a test dependency). On a CPU build of
+    # torch, torchao cannot load its CUDA extensions and logs "Failed to load ..." as a warning.
+    # That is torchao's, not arfusion's, and the check uses nothing of torchao: show its errors only.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
         if not tokens or min(tokens) < 1:

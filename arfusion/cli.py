@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import check, tuning
 from .backends import flashinfer_dispatch as dispatch
 from .backends import get_backend
+from .decisions import Reason
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -44,7 +45,7 @@ def _tune(args) -> int:
             print(f"stored in {args.cache or dispatch.cache_path()}")
     finally:
         backend = get_backend("flashinfer")
-        if not isinstance(backend, str):
+        if not isinstance(backend, Reason):
             backend.close()
         if own_group:
             dist.destroy_process_group()

@@ -57,6 +57,9 @@ def _per_world_mb(name: str, value: Mapping) -> dict[int, float]:
 class PassConfig:
     """What the pass fuses and where.
 
+    enable_allreduce_fusion: True by default (`PassConfig(backend="torch")` fuses). A vLLM-style
+        dict (`from_dict`) keeps vLLM's default, off, unless it sets the flag. A pass installed
+        with it off says so once at INFO and leaves graphs as they are.
     max_size_mb: per world size, the largest per-rank input (MiB, inclusive) that is fused;
         it overrides the backend's own table (0 turns fusion off for that world size).
     quant_forms: which quantization tails may be fused into the same op.
@@ -84,7 +87,7 @@ class PassConfig:
         plain all-reduce takes, overriding the backend's table (0: never).
     """
 
-    enable_allreduce_fusion: bool = False
+    enable_allreduce_fusion: bool = True
     backend: str = "auto"
     max_size_mb: dict[int, float] = field(default_factory=dict)
     enable_quant_fusion: bool = True
@@ -119,13 +122,15 @@ class PassConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | str) -> "PassConfig":
-        """Load `{"pass_config": {...}}` (vLLM style), the inner dict, or its JSON text."""
+        """Load `{"pass_config": {...}}` (vLLM style), the inner dict, or its JSON text. As in
+        vLLM, the fusion is off unless the dict turns it on (`enable_allreduce_fusion` or
+        vLLM's `fuse_allreduce_rms`)."""
         if isinstance(data, str):
             data = json.loads(data)
         if "pass_config" in data:
             data = data["pass_config"]
         known = {f.name for f in dataclasses.fields(cls)}
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"enable_allreduce_fusion": False}
         for key, value in data.items():
             key = _ALIASES.get(key, key)
             if key in known:
@@ -146,7 +151,7 @@ class PassConfig:
         mb = self.plain_max_size_mb.get(world_size)
         return None if mb is None else int(mb * 1024 * 1024)
 
-    def quantized_min_bytes(self, world_size: int) -> int | None:
+    def codec_min_bytes(self, world_size: int) -> int | None:
         """The user's quantized all-reduce threshold in bytes, or None for the backend's crossover."""
         mb = self.quantized_allreduce_min_mb.get(world_size)
         return None if mb is None else round(mb * 1024 * 1024)

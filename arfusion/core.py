@@ -1,4 +1,4 @@
-"""What a fused site is and what one call of it looks like: the package's leaf.
+"""What a fused op computes (`Form`) and what one call of it looks like (`Call`): the package's leaf.
 
 Nothing here imports the rest of arfusion. The pass builds a `Call` from graph metadata at
 compile time (`Call.of_meta`), the fused op from tensors at run time (`Call.of_tensors`), and
@@ -22,13 +22,14 @@ MiB = 1 << 20
 NORM_FORMS = ("rms", "rms_fp32_weight", "gemma_rms")
 # Quantizations of the norm output a site may carry (arfusion.quant has one function each).
 QUANT_FORMS = ("fp8_static", "fp8_dynamic", "fp8_group", "nvfp4")
-# Quantized all-reduce levels (payload formats; arfusion.quantized_comm).
+# Quantized all-reduce levels (payload formats; arfusion.codec).
 QUANTIZED_LEVELS = ("fp8", "int8", "int6", "int4")
 
 
 @dataclass(frozen=True)
-class Site:
-    """What one fused site computes; fixed when the pattern is rewritten."""
+class Form:
+    """What one fused op computes, as the op and the backends see it; fixed when a site is
+    rewritten. (A *site* is the region of a graph that computes it: patterns.Site.)"""
 
     residual: bool  # an add of a residual precedes the norm
     norm: str  # one of NORM_FORMS ("none" only for PLAIN)
@@ -57,18 +58,18 @@ class Site:
         return tuple(outs)
 
 
-# A plain all-reduce (no norm after it): what `Call.site` holds for the fast-path all-reduce op.
-PLAIN = Site(residual=False, norm="none")
+# A plain all-reduce (no norm after it): what `Call.form` holds for the fast-path all-reduce op.
+PLAIN = Form(residual=False, norm="none")
 
 
 @dataclass(frozen=True)
 class Call:
-    """One invocation of a fused site (or of a plain all-reduce: `site` is PLAIN). `tokens` is None
+    """One invocation of a fused op (or of a plain all-reduce: `form` is PLAIN). `tokens` is None
     while unknown (symbolic at compile time). `oneshot` forces FlashInfer's one-shot (True) or
     two-shot (False) kernel: for tuning and benchmarks, which pass it explicitly; None lets the
     dispatch table choose."""
 
-    site: Site
+    form: Form
     tokens: int | None
     hidden: int
     dtype: torch.dtype
@@ -80,19 +81,19 @@ class Call:
     oneshot: bool | None = None
 
     @classmethod
-    def of_meta(cls, site: Site, shape: Sequence, dtype: torch.dtype, weight_dtype: torch.dtype,
+    def of_meta(cls, form: Form, shape: Sequence, dtype: torch.dtype, weight_dtype: torch.dtype,
                 device: torch.device, world_size: int, group_name: str, input_scaled: bool = False) -> "Call":
         """At compile time, from a graph value's (possibly symbolic) shape."""
         tokens = num_tokens(shape)
-        return cls(site=site, tokens=tokens if isinstance(tokens, int) else None, hidden=int(shape[-1]),
+        return cls(form=form, tokens=tokens if isinstance(tokens, int) else None, hidden=int(shape[-1]),
                    dtype=dtype, weight_dtype=weight_dtype, world_size=world_size, device=device,
                    group_name=group_name, input_scaled=input_scaled)
 
     @classmethod
-    def of_tensors(cls, site: Site, x: torch.Tensor, weight: torch.Tensor | None, world_size: int,
+    def of_tensors(cls, form: Form, x: torch.Tensor, weight: torch.Tensor | None, world_size: int,
                    group_name: str, input_scaled: bool = False, oneshot: bool | None = None) -> "Call":
         """At run time, from the op's activation `x` [..., H] and norm weight (None: x's dtype)."""
-        return cls(site=site, tokens=num_tokens(x.shape), hidden=x.shape[-1], dtype=x.dtype,
+        return cls(form=form, tokens=num_tokens(x.shape), hidden=x.shape[-1], dtype=x.dtype,
                    weight_dtype=x.dtype if weight is None else weight.dtype, world_size=world_size,
                    device=x.device, group_name=group_name, input_scaled=input_scaled, oneshot=oneshot)
 

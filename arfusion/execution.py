@@ -1,8 +1,8 @@
 """What one call of an arfusion op runs: the backend's kernel, its quantized all-reduce, or the
-unfused computation. The one place where that choice is made at run time.
-
-The choice reads only values that are the same on every rank (shapes, dtypes, world size,
-config, the backend's tables), so all ranks of a group take the same path.
+unfused computation, as `policy`'s rules route it (the same rules the pass decided with at
+compile time, now with the call's real shapes), then the backend's run-time readiness
+(`prepare`: workspaces, buffers). Every input of the choice is the same on every rank, so all
+ranks of a group take the same path.
 """
 
 from __future__ import annotations
@@ -12,19 +12,16 @@ import torch.distributed as dist
 
 from . import reference, stats
 from .backends import resolve
-from .core import PLAIN, Call, Site
+from .core import PLAIN, Call, Form
+from .decisions import Reason, Why
+from .policy import Caps, Route, compiles_fallback, current_stream_pays, moe_combine_refusal, plain_refusal, route
 from .runtime import capturing, compiled, group_size, log_once, outside_graph_pools, scalar_value
 
-
-def compiles_fallback(device: torch.device) -> bool:
-    """Whether a declined call runs the compiled unfused path (GPUs) or the eager reference."""
-    return device.type == "cuda"
+EPS_IN_CAPTURE = Reason(Why.RUNTIME, "eps is a GPU tensor not read before this CUDA-graph capture")
 
 
-def current_stream_pays(device: torch.device) -> bool:
-    """Whether an all-reduce NCCL runs should run on the caller's stream (GPUs: inside CUDA
-    graphs the side-stream collective cost 4-8 us more per call on H200, docs/benchmarks.md)."""
-    return device.type == "cuda"
+def _dispatched(key: str) -> None:
+    stats.record_dispatch(key, captured=capturing())
 
 
 def all_reduce_in_place(x: torch.Tensor, group_name: str) -> None:
@@ -42,35 +39,33 @@ def all_reduce_on_current_stream(x: torch.Tensor, group_name: str) -> torch.Tens
     return reduced
 
 
-def after_all_reduce(reduced, residual, weight, eps, site, quant_scale, reduced_scale=1.0):
+def after_all_reduce(reduced, residual, weight, eps, form, quant_scale, reduced_scale=1.0):
     """[* reduced_scale] [+ residual] -> RMSNorm [-> quant] of an all-reduced tensor: compiled on GPUs."""
     norm = compiled(reference.add_rms_norm) if compiles_fallback(reduced.device) else reference.add_rms_norm
-    return norm(reduced, residual, weight, eps, site, quant_scale, reduced_scale)
+    return norm(reduced, residual, weight, eps, form, quant_scale, reduced_scale)
 
 
-def unfused(x, residual, weight, eps, group_name, site, quant_scale, input_scale=1.0):
+def unfused(x, residual, weight, eps, group_name, form, quant_scale, input_scale=1.0):
     """The unfused result, all_reduce(x) * input_scale [+ residual] -> norm. On a GPU: NCCL
     all-reduce + one compiled (scale+)add+RMSNorm(+quant) kernel, since the eager reference is
     1.6-2.3x slower there. Elsewhere the eager reference."""
     if not compiles_fallback(x.device):
-        return reference.unfused(x, residual, weight, eps, group_name, site, quant_scale, input_scale)
+        return reference.unfused(x, residual, weight, eps, group_name, form, quant_scale, input_scale)
     reduced = all_reduce_on_current_stream(x, group_name)
-    return after_all_reduce(reduced, residual, weight, eps, site, quant_scale, input_scale)
+    return after_all_reduce(reduced, residual, weight, eps, form, quant_scale, input_scale)
 
 
-def quantized_or_none(backend, call: Call, x, residual, weight, eps, quant_scale, level: str,
-               min_bytes: int) -> list[torch.Tensor] | None:
-    """The site's outputs through `backend`'s `level` quantized all-reduce, or None (logged once)
-    where it does not apply: then the exact path runs."""
-    override = None if min_bytes < 0 else min_bytes
-    reason = backend.quantized_why_not(call, level, override) or backend.prepare_quantized(call, level)
+def codec_or_none(backend, call: Call, x, residual, weight, eps, quant_scale, level: str) -> list[torch.Tensor] | None:
+    """The form's outputs through `backend`'s `level` quantized all-reduce (which `policy.route`
+    chose), or None (logged once) where it is not ready: then the exact path runs."""
+    reason = backend.prepare_codec(call, level)
     if reason:
-        log_once(f"arfusion: {call.site.name}: exact all-reduce, not {level}: {reason}")
+        log_once(f"arfusion: {call.form.name}: exact all-reduce, not {level}: {reason}")
         return None
-    stats.record_dispatch(f"{backend.name} quantized {level}")
+    _dispatched(f"{backend.name} quantized {level}")
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    reduced = backend.quantized_all_reduce(call, flat, level).view(x.shape)
-    return after_all_reduce(reduced, residual, weight, eps, call.site, quant_scale)
+    reduced = backend.codec_all_reduce(call, flat, level).view(x.shape)
+    return after_all_reduce(reduced, residual, weight, eps, call.form, quant_scale)
 
 
 _unit_weights: dict[tuple, torch.Tensor] = {}
@@ -105,91 +100,83 @@ def eps_value(eps: torch.Tensor) -> float | torch.Tensor:
     return eps if value is None else value
 
 
-def site_of(residual, norm, quant, emit_norm) -> Site:
-    return Site(residual=residual is not None, norm=norm, quant=quant, emit_norm=emit_norm)
+def form_of(residual, norm, quant, emit_norm) -> Form:
+    return Form(residual=residual is not None, norm=norm, quant=quant, emit_norm=emit_norm)
 
 
-def run_fused(x, residual, weight, eps, group_name, site: Site, quant_scale, backend: str, max_bytes: int,
-              quantized: str = "", quantized_min_bytes: int = -1,
-              input_scale: float | torch.Tensor = 1.0) -> list[torch.Tensor]:
+def run_fused(x, residual, weight, eps, group_name, form: Form, quant_scale, backend: str, caps: Caps,
+              codec: str | None = None, input_scale: float | torch.Tensor = 1.0) -> list[torch.Tensor]:
     """`arfusion::fused_allreduce_rmsnorm` at run time (see its docstring in ops.py)."""
     if weight is None:
         weight = unit_weight(x.device, x.dtype, x.shape[-1])
     scaled = isinstance(input_scale, torch.Tensor) or input_scale != 1.0
-    call = Call.of_tensors(site, x, weight, group_size(group_name), group_name, input_scaled=scaled)
+    call = Call.of_tensors(form, x, weight, group_size(group_name), group_name, input_scaled=scaled)
     chosen, reason = resolve(backend, x.device)
     if isinstance(eps, torch.Tensor):
-        chosen, reason = None, "eps is a GPU tensor not read before this CUDA-graph capture"
+        chosen, reason = None, EPS_IN_CAPTURE
     outs = None
-    if chosen is not None and quantized:
-        outs = quantized_or_none(chosen, call, _scaled(x, input_scale), residual, weight, eps, quant_scale,
-                          quantized, quantized_min_bytes)
+    path = Route.UNFUSED
+    if chosen is not None:
+        path, reason = route(chosen, call, caps, codec)
+    if path is Route.CODEC:
+        outs = codec_or_none(chosen, call, _scaled(x, input_scale), residual, weight, eps, quant_scale, codec)
+        if outs is None:
+            path, reason = route(chosen, call, caps, None)
     if outs is None:
-        if chosen is not None:
-            override = None if max_bytes < 0 else max_bytes
-            reason = chosen.why_not(call, override) or chosen.prepare(call, override)
+        if path is Route.KERNEL:
+            reason = chosen.prepare(call, caps.fused)
         if reason is None:
-            stats.record_dispatch(chosen.name)
+            _dispatched(chosen.name)
             if scaled:
                 outs = chosen.run_scaled(call, x, input_scale, residual, weight, eps, quant_scale)
             else:
                 outs = chosen.run(call, x, residual, weight, eps, quant_scale)
         else:
-            stats.record_dispatch("fallback")
-            log_once(f"arfusion: {site.name} ran unfused at run time: {reason}")
-            outs = unfused(x, residual, weight, eps, group_name, site, quant_scale, input_scale)
+            _dispatched("fallback")
+            log_once(f"arfusion: {form.name} ran unfused at run time: {reason}")
+            outs = unfused(x, residual, weight, eps, group_name, form, quant_scale, input_scale)
     return dense_outputs(outs, x.shape[:-1])
 
 
-def _quantized_takes(backend, call: Call, level: str, min_bytes: int) -> str | None:
-    """A reason to leave the MoE kernel: the quantized all-reduce (after the combine) takes the call."""
-    if level and backend.quantized_why_not(call, level, None if min_bytes < 0 else min_bytes) is None:
-        return f"the {level} quantized all-reduce takes this call"
-    return None
-
-
 def run_moe_combine(rows, scale, index, top_k: int, scale_first: bool, residual, weight, eps, group_name,
-                    site: Site, quant_scale, backend: str, max_bytes: int, quantized: str = "",
-                    quantized_min_bytes: int = -1, shared=None, routed_scale: float = 1.0,
-                    input_scale: float = 1.0) -> list[torch.Tensor]:
+                    form: Form, quant_scale, backend: str, caps: Caps, codec: str | None = None, shared=None,
+                    routed_scale: float = 1.0, input_scale: float = 1.0) -> list[torch.Tensor]:
     """`arfusion::moe_combine_allreduce_rmsnorm` at run time (see its docstring in ops.py)."""
     hidden = rows.shape[-1]
     tokens = index.numel() // top_k
     chosen, reason = resolve(backend, rows.device)
     if isinstance(eps, torch.Tensor):
-        chosen, reason = None, "eps is a GPU tensor not read before this CUDA-graph capture"
+        chosen, reason = None, EPS_IN_CAPTURE
     if chosen is not None:
         kernel_weight = weight if weight is not None else unit_weight(rows.device, rows.dtype, hidden)
-        call = Call.of_meta(site, (tokens, hidden), rows.dtype, kernel_weight.dtype, rows.device,
+        call = Call.of_meta(form, (tokens, hidden), rows.dtype, kernel_weight.dtype, rows.device,
                             group_size(group_name), group_name)
-        override = None if max_bytes < 0 else max_bytes
-        reason = (chosen.why_not(call, override) or chosen.moe_combine_why_not(call, top_k, rows.shape[0])
-                  or _quantized_takes(chosen, call, quantized, quantized_min_bytes) or chosen.prepare(call, override)
-                  or chosen.prepare_moe_combine(call))
+        reason = (moe_combine_refusal(chosen, call, top_k, rows.shape[0], caps, codec)
+                  or chosen.prepare(call, caps.fused) or chosen.prepare_moe_combine(call))
         if reason is None:
-            stats.record_dispatch(chosen.name)
+            _dispatched(chosen.name)
             outs = chosen.run_moe_combine(call, rows, scale, index, top_k, scale_first,
                                           None if residual is None else residual.reshape(tokens, hidden),
                                           kernel_weight, eps, quant_scale, shared, routed_scale, input_scale)
             return dense_outputs(outs, (tokens,))
-    log_once(f"arfusion: MoE combine of {site.name} ran in torch at run time, then the fused site: {reason}")
+    log_once(f"arfusion: MoE combine of {form.name} ran in torch at run time, then the fused op: {reason}")
     combine = (compiled(reference.moe_combine) if compiles_fallback(rows.device) else reference.moe_combine)
     combined = combine(rows, scale, index, top_k, scale_first, shared, routed_scale)
-    return run_fused(combined, residual, weight, eps, group_name, site, quant_scale, backend, max_bytes,
-                     quantized, quantized_min_bytes, input_scale)
+    return run_fused(combined, residual, weight, eps, group_name, form, quant_scale, backend, caps, codec,
+                     input_scale)
 
 
-def run_all_reduce(x: torch.Tensor, group_name: str, backend: str, max_bytes: int) -> torch.Tensor:
+def run_all_reduce(x: torch.Tensor, group_name: str, backend: str, caps: Caps) -> torch.Tensor:
     """`arfusion::all_reduce` at run time: the backend's fast all-reduce where it takes the call,
     else NCCL on the caller's stream (GPUs) or the functional all-reduce (elsewhere)."""
     call = Call.of_tensors(PLAIN, x, None, group_size(group_name), group_name)
     chosen, reason = resolve(backend, x.device)
     if chosen is not None:
-        reason = chosen.plain_why_not(call, None if max_bytes < 0 else max_bytes) or chosen.prepare_plain(call)
+        reason = plain_refusal(chosen, call, caps) or chosen.prepare_plain(call)
     if reason is None:
-        stats.record_dispatch(f"{chosen.name} all-reduce")
+        _dispatched(f"{chosen.name} all-reduce")
         return chosen.all_reduce(call, x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
-    stats.record_dispatch("nccl all-reduce" if current_stream_pays(x.device) else "all-reduce")
+    _dispatched("nccl all-reduce" if current_stream_pays(x.device) else "all-reduce")
     log_once(f"arfusion: an all-reduce of {call.nbytes} bytes per rank ran without the fast path: {reason}")
     if current_stream_pays(x.device):
         return all_reduce_on_current_stream(x, group_name)

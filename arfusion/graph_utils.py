@@ -1,12 +1,14 @@
-"""Small FX graph helpers the pass needs before and after matching."""
+"""FX graph helpers: the collectives' ops, values and shapes, adding nodes with their fake
+values (`Builder`, what the merges and the edits build with), CSE, snapshot and restore."""
 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
-
-from . import ops  # noqa: F401  (registers torch.ops.arfusion.*, used below)
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -14,6 +16,7 @@ WAIT = torch.ops._c10d_functional.wait_tensor.default
 # all-gather before the next matmul; plain TP all-gathers too, for lm_head, so that one says nothing).
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+aten = torch.ops.aten
 
 
 def collective_group(node: torch.fx.Node) -> str | None:
@@ -66,49 +69,6 @@ def _hashable(value):
     return value
 
 
-def move_all_reduce_to_current_stream(graph: torch.fx.Graph, all_reduce: torch.fx.Node) -> bool:
-    """Replace `wait_tensor(all_reduce(x, "sum", group))` by arfusion's in-place all-reduce on
-    the caller's stream, wrapped as a functional op: Inductor's re-inplacing pass (after the
-    custom passes) reduces `x` in place where nothing else reads it, and copies it otherwise."""
-    waits = list(all_reduce.users)
-    x, op, group_name = all_reduce.args[:3]
-    if op != "sum" or not waits or any(w.target is not WAIT for w in waits):
-        return False
-    reduced_val = all_reduce.meta.get("val")
-    with graph.inserting_before(all_reduce):
-        functional = graph.call_function(torch.ops.higher_order.auto_functionalized,
-                                         (torch.ops.arfusion.all_reduce_.default,),
-                                         {"x": x, "group_name": group_name})
-        reduced = graph.call_function(operator.getitem, (functional, 1))  # (op's None, new x)
-    functional.meta["val"] = (None, reduced_val)
-    reduced.meta["val"] = reduced_val
-    for w in waits:
-        w.replace_all_uses_with(reduced)
-        graph.erase_node(w)
-    graph.erase_node(all_reduce)
-    return True
-
-
-def put_on_fast_path(graph: torch.fx.Graph, all_reduce: torch.fx.Node, backend: str, max_bytes: int,
-                     site_key: str) -> bool:
-    """Replace `wait_tensor(all_reduce(x, "sum", group))` by arfusion's fast all-reduce op
-    (`arfusion::all_reduce`, functional: the backend's one-shot kernel writes a new tensor)."""
-    waits = list(all_reduce.users)
-    x, op, group_name = all_reduce.args[:3]
-    if op != "sum" or not waits or any(w.target is not WAIT for w in waits):
-        return False
-    with graph.inserting_before(all_reduce):
-        fast = graph.call_function(torch.ops.arfusion.all_reduce.default, (),
-                                   {"x": x, "group_name": group_name, "backend": backend, "max_bytes": max_bytes,
-                                    "site_key": site_key})
-    fast.meta["val"] = all_reduce.meta.get("val")
-    for w in waits:
-        w.replace_all_uses_with(fast)
-        graph.erase_node(w)
-    graph.erase_node(all_reduce)
-    return True
-
-
 def snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
     """A copy of the graph (node metadata copied one level deep), for `restore`."""
     copy = torch.fx.Graph()
@@ -131,3 +91,66 @@ def restore(graph: torch.fx.Graph, saved: torch.fx.Graph) -> None:
         graph.erase_node(node)
     result, output = graph.graph_copy(saved, dict(zip(saved_inputs, inputs)), return_output_node=True)
     graph.output(result).meta = dict(output.meta)
+
+
+def value(node) -> object:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether two nodes' values have the same shape (symbolic sizes: provably equal)."""
+    have, want = value(a).shape, value(b).shape
+    return len(have) == len(want) and all(statically_known_true(i == j) for i, j in zip(have, want))
+
+
+class Builder:
+    """Adds nodes before `anchor`, each with the fake value Inductor's later passes read."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node):
+        self.graph, self.anchor = graph, anchor
+        self.fake_mode = detect_fake_mode([value(anchor)] if isinstance(value(anchor), torch.Tensor) else None)
+        self.added: list[torch.fx.Node] = []
+
+    def call(self, target, *args, **kwargs) -> torch.fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        fake_args = torch.fx.map_arg(args, lambda n: n.meta["val"])
+        fake_kwargs = torch.fx.map_arg(kwargs, lambda n: n.meta["val"])
+        if target is operator.getitem:
+            node.meta["val"] = fake_args[0][fake_args[1]]
+        else:
+            with self.fake_mode:
+                node.meta["val"] = target(*fake_args, **fake_kwargs)
+        self.added.append(node)
+        return node
+
+    def undo(self) -> None:
+        """Erase every node this builder added (a rewrite that gave up half-way)."""
+        for node in reversed(self.added):
+            self.graph.erase_node(node)
+        self.added.clear()
+
+    def reshape(self, node: torch.fx.Node, like: torch.fx.Node, sources: list[torch.fx.Node]) -> torch.fx.Node | None:
+        """`node` reshaped to `like`'s shape (None if a symbolic size cannot be named)."""
+        if same_shape(node, like):
+            return node
+        sizes = self._sizes(value(like).shape, sources)
+        return None if sizes is None else self.call(aten.reshape.default, node, sizes)
+
+    def _sizes(self, shape, sources: list[torch.fx.Node]) -> list[Any] | None:
+        """Size arguments for `shape`: ints, -1 for one unknown, sym_size of a source for others."""
+        sizes, free = [], True
+        for size in shape:
+            if not isinstance(size, torch.SymInt):
+                sizes.append(int(size))
+                continue
+            found = next(((src, j) for src in sources for j, s in enumerate(value(src).shape)
+                          if statically_known_true(s == size)), None)
+            if found is not None:
+                sizes.append(self.call(aten.sym_size.int, *found))
+            elif free:
+                sizes.append(-1)
+                free = False
+            else:
+                return None
+        return sizes

@@ -1,13 +1,13 @@
 """The ops the pass puts into graphs: their schemas and fake (meta) implementations.
 
-`arfusion::fused_allreduce_rmsnorm`, what every site's rewrite calls, is functional (returns
+`arfusion::fused_allreduce_rmsnorm`, what every form's rewrite calls, is functional (returns
 fresh tensors, mutates nothing), so the rewritten graph needs no auto_functionalized
 bookkeeping. At run time it asks the backend whether this call can be fused and otherwise
 computes the unfused result itself: the answer is always right. What each call runs is decided
 in `execution`.
 
-`arfusion::moe_combine_allreduce_rmsnorm` also takes the MoE top-k combine in front of the site.
-`arfusion::all_reduce` is the fast-path all-reduce of an all-reduce that is not a site.
+`arfusion::moe_combine_allreduce_rmsnorm` also takes the MoE top-k combine in front of the form.
+`arfusion::all_reduce` is the fast-path all-reduce of an all-reduce that is not a form.
 `arfusion::all_reduce_` is the all-reduce of one the fast path cannot take either, moved onto
 the caller's stream (it mutates its input; the pass wraps it in auto_functionalized).
 """
@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from . import execution, reference, stats
-from .execution import dense_outputs, site_of
+from .execution import dense_outputs, form_of
+from .policy import Caps
 
 
 @torch.library.custom_op("arfusion::all_reduce_", mutates_args=("x",))
@@ -39,18 +40,19 @@ def _all_reduce_in_place_fake(x, group_name):
 
 
 @torch.library.custom_op("arfusion::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor, group_name: str, backend: str, max_bytes: int, site_key: str = "") -> torch.Tensor:
+def all_reduce(x: torch.Tensor, group_name: str, backend: str, max_bytes: int | None = None,
+               op_key: str = "") -> torch.Tensor:
     """The sum of `x` over the group, as a new tensor: the backend's fast all-reduce (FlashInfer's
     one-shot kernel, aiter's custom all-reduce) where it takes the call, NCCL otherwise.
-    max_bytes < 0: the backend's own size table. site_key names the call in its compiled graph
+    max_bytes None: the backend's own size table. op_key names the call in its compiled graph
     (`stats()` counts it, also when the graph came from the FX graph cache)."""
-    if site_key:
-        stats.record_fast_all_reduce(site_key)
-    return execution.run_all_reduce(x, group_name, backend, max_bytes)
+    if op_key:
+        stats.record_fast_all_reduce(op_key)
+    return execution.run_all_reduce(x, group_name, backend, Caps(plain=max_bytes))
 
 
 @all_reduce.register_fake
-def _all_reduce_fake(x, group_name, backend, max_bytes, site_key=""):
+def _all_reduce_fake(x, group_name, backend, max_bytes=None, op_key=""):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -67,21 +69,21 @@ def fused_allreduce_rmsnorm(
     quant_scale: torch.Tensor | None,
     emit_norm: bool,
     backend: str,
-    max_bytes: int,
-    site_key: str = "",
-    quantized: str = "",
-    quantized_min_bytes: int = -1,
+    max_bytes: int | None = None,
+    op_key: str = "",
+    codec: str | None = None,
+    codec_min_bytes: int | None = None,
     input_scale: float = 1.0,
     input_scale_tensor: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """all_reduce(x) [* input_scale] [+ residual] -> RMSNorm [-> quant]; outputs in `Site.outputs()` order.
+    """all_reduce(x) [* input_scale] [+ residual] -> RMSNorm [-> quant]; outputs in `Form.outputs()` order.
 
     eps_tensor, when given, replaces eps (graphs compiled with dynamic=True carry eps as a
-    0-d tensor). weight None: a norm without weight. max_bytes < 0 means "use the backend's own
-    size table". site_key names the site in its compiled graph: `stats()` counts the sites a
-    graph holds even when it came from the FX graph cache and the pass never ran. quantized
-    names a quantized all-reduce level ("" = exact), used from quantized_min_bytes per rank
-    (< 0: the backend's crossover) where the backend has it (`quantized_or_none`). input_scale
+    0-d tensor). weight None: a norm without weight. max_bytes None: the backend's own size
+    table. op_key names the site in its compiled graph: `stats()` counts the sites a graph holds
+    even when it came from the FX graph cache and the pass never ran. codec names the quantized
+    all-reduce's wire format (QUANTIZED_LEVELS; None: exact), used from codec_min_bytes per rank (None: the backend's
+    crossover) where the backend has it (`policy.route`). input_scale
     (Granite's multiplier, f * AR(x) in the graph) multiplies x before a kernel runs, the
     all-reduced value on the unfused path, so that path pays no extra pass over the tensor.
     input_scale_tensor, when given, is that factor as a 0-d floating tensor that leaves x's dtype
@@ -90,17 +92,17 @@ def fused_allreduce_rmsnorm(
     """
     if input_scale_tensor is not None:
         input_scale = input_scale_tensor
-    site = site_of(residual, norm, quant, emit_norm)
-    if site_key:
-        stats.record_site(site_key, site.name)
+    form = form_of(residual, norm, quant, emit_norm)
+    if op_key:
+        stats.record_site(op_key, form.name)
     if eps_tensor is not None:  # a graph input (dynamic=True) or a buffer; a tensor still during a first capture
         eps = execution.eps_value(eps_tensor)
-    return execution.run_fused(x, residual, weight, eps, group_name, site, quant_scale, backend, max_bytes,
-                               quantized, quantized_min_bytes, input_scale)
+    return execution.run_fused(x, residual, weight, eps, group_name, form, quant_scale, backend,
+                               Caps(fused=max_bytes, codec_min=codec_min_bytes), codec, input_scale)
 
 
 # Output layouts by input layout, for static shapes: the pattern matcher traces the op once per
-# fused site (65 in a 32-layer decoder), and the reference math on fake tensors costs ~10 ms.
+# fused form (65 in a 32-layer decoder), and the reference math on fake tensors costs ~10 ms.
 _fake_layouts: dict[tuple, list[tuple]] = {}
 
 
@@ -118,18 +120,18 @@ def _layout_key(*tensors) -> tuple | None:
 
 @fused_allreduce_rmsnorm.register_fake
 def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
-          backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1, input_scale=1.0,
+          backend, max_bytes=None, op_key="", codec=None, codec_min_bytes=None, input_scale=1.0,
           input_scale_tensor=None):
     # The reference math on fake tensors gives exactly the real outputs' metadata.
-    site = site_of(residual, norm, quant, emit_norm)
+    form = form_of(residual, norm, quant, emit_norm)
     key = _layout_key(x, residual, weight, quant_scale)
-    if key is not None and (key, site) in _fake_layouts:
+    if key is not None and (key, form) in _fake_layouts:
         return [torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
-                for shape, stride, dtype in _fake_layouts[key, site]]
-    outs = dense_outputs(reference.add_rms_norm(torch.empty_like(x), residual, weight, eps, site, quant_scale),
+                for shape, stride, dtype in _fake_layouts[key, form]]
+    outs = dense_outputs(reference.add_rms_norm(torch.empty_like(x), residual, weight, eps, form, quant_scale),
                          x.shape[:-1])
     if key is not None:
-        _fake_layouts[key, site] = [(tuple(o.shape), o.stride(), o.dtype) for o in outs]
+        _fake_layouts[key, form] = [(tuple(o.shape), o.stride(), o.dtype) for o in outs]
     return outs
 
 
@@ -150,16 +152,16 @@ def moe_combine_allreduce_rmsnorm(
     quant_scale: torch.Tensor | None,
     emit_norm: bool,
     backend: str,
-    max_bytes: int,
-    site_key: str = "",
-    quantized: str = "",
-    quantized_min_bytes: int = -1,
+    max_bytes: int | None = None,
+    op_key: str = "",
+    codec: str | None = None,
+    codec_min_bytes: int | None = None,
     shared: torch.Tensor | None = None,
     routed_scale: float = 1.0,
     input_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """MoE top-k combine [* routed_scale] [+ shared] -> all_reduce [* input_scale] -> [+ residual] ->
-    RMSNorm [-> quant]; outputs [T, H] in `Site.outputs()` order, as `fused_allreduce_rmsnorm` of the
+    RMSNorm [-> quant]; outputs [T, H] in `Form.outputs()` order, as `fused_allreduce_rmsnorm` of the
     combined [T, H] (with its input_scale).
 
     The combine is `reference.moe_combine(rows, scale, index, top_k, scale_first)`: rows [R, H]
@@ -169,23 +171,23 @@ def moe_combine_allreduce_rmsnorm(
     routed_scale (Laguna's routed scaling factor); input_scale multiplies the all-reduced sum
     (MiniMax-M3's, where its shared expert is replicated). residual is [T, H]. A backend with a fused kernel
     (FlashInfer's MoE finalize, where its dispatch entry allows) runs it; otherwise the combine
-    runs in torch (compiled on GPUs) and then the ordinary fused site, so the answer is the same
+    runs in torch (compiled on GPUs) and then the ordinary fused form, so the answer is the same
     (a quantized all-reduce, where asked for, applies there: prefill sizes).
     """
-    site = site_of(residual, norm, quant, emit_norm)
-    if site_key:
-        stats.record_site(site_key, site.name)
-        stats.record_moe_combine(site_key)
+    form = form_of(residual, norm, quant, emit_norm)
+    if op_key:
+        stats.record_site(op_key, form.name)
+        stats.record_moe_combine(op_key)
     if eps_tensor is not None:  # a graph input (dynamic=True) or a buffer; a tensor still during a first capture
         eps = execution.eps_value(eps_tensor)
     return execution.run_moe_combine(rows, scale, index, top_k, scale_first, residual, weight, eps, group_name,
-                                     site, quant_scale, backend, max_bytes, quantized, quantized_min_bytes,
-                                     shared, routed_scale, input_scale)
+                                     form, quant_scale, backend, Caps(fused=max_bytes, codec_min=codec_min_bytes),
+                                     codec, shared, routed_scale, input_scale)
 
 
 @moe_combine_allreduce_rmsnorm.register_fake
 def _moe_fake(rows, scale, index, top_k, scale_first, residual, weight, eps, eps_tensor, group_name, norm, quant,
-              quant_scale, emit_norm, backend, max_bytes, site_key="", quantized="", quantized_min_bytes=-1,
+              quant_scale, emit_norm, backend, max_bytes=None, op_key="", codec=None, codec_min_bytes=None,
               shared=None, routed_scale=1.0, input_scale=1.0):
     combined = rows.new_empty((index.shape[0] // top_k, rows.shape[-1]))
     return _fake(combined, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import quant
-from .core import Site
+from .core import Form
 
 
 def all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -34,24 +34,24 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float, norm: str
 
 
 def add_rms_norm(reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                 eps: float, site: Site, quant_scale: torch.Tensor | None = None,
+                 eps: float, form: Form, quant_scale: torch.Tensor | None = None,
                  reduced_scale: float | torch.Tensor = 1.0) -> list[torch.Tensor]:
     """Everything after the all-reduce (scaled first by `reduced_scale`, Granite's multiplier);
-    outputs in `site.outputs()` order."""
+    outputs in `form.outputs()` order."""
     if isinstance(reduced_scale, torch.Tensor) or reduced_scale != 1.0:
         reduced = reduced * reduced_scale
     h = reduced if residual is None else residual + reduced
-    normed = rms_norm(h, weight, eps, site.norm)
+    normed = rms_norm(h, weight, eps, form.norm)
     produced = {"residual": h, "norm": normed}
-    if site.quant != "none":
-        produced.update(quant.quantize(normed, site.quant, quant_scale))
-    return [produced[name] for name in site.outputs()]
+    if form.quant != "none":
+        produced.update(quant.quantize(normed, form.quant, quant_scale))
+    return [produced[name] for name in form.outputs()]
 
 
 def unfused(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-            group_name: str, site: Site, quant_scale: torch.Tensor | None = None,
+            group_name: str, form: Form, quant_scale: torch.Tensor | None = None,
             input_scale: float = 1.0) -> list[torch.Tensor]:
-    return add_rms_norm(all_reduce_sum(x, group_name), residual, weight, eps, site, quant_scale, input_scale)
+    return add_rms_norm(all_reduce_sum(x, group_name), residual, weight, eps, form, quant_scale, input_scale)
 
 
 def moe_combine(rows: torch.Tensor, scale: torch.Tensor, index: torch.Tensor, top_k: int,

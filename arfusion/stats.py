@@ -11,26 +11,34 @@ import threading
 import types
 from collections import Counter
 
+from .decisions import Decision, Reason
+
 _lock = threading.Lock()
 _sites: dict[str, str] = {}  # site key -> pattern name, for every fused site of a compiled graph
 _moe_combines: set[str] = set()  # keys of the fused sites that took their MoE top-k combine in too
 _fast: set[str] = set()  # keys of the all-reduces put on the fast path (arfusion::all_reduce)
 _decisions: list[dict] = []  # one per all-reduce the pass looked at: what became of it and why
-_why_not: Counter[str] = Counter()  # reason -> all_reduces left unfused for it
+_why_not: Counter[str] = Counter()  # reason's message -> all-reduces left unfused for it (for people)
+_why_not_codes: Counter[str] = Counter()  # reason's code -> all-reduces left unfused for it (stable)
 _dispatch: Counter[str] = Counter()
+_captured: Counter[str] = Counter()  # the dispatches made while a CUDA graph was being captured
 _left: Counter[str] = Counter()  # all_reduces the pass left unfused: "total", "on_callers_stream"
 _collectives: Counter[str] = Counter()  # all-reduce rewrites before fusion (patterns.collectives)
+_splits: Counter[str] = Counter()  # function whose graph break split all-reduces from their norms -> how many
 _graphs = 0
 _pass_seconds = 0.0
 
 
-def record_graph(unfused: int = 0, on_callers_stream: int = 0, why_not: Counter[str] | None = None,
+def record_graph(unfused: int = 0, on_callers_stream: int = 0, reasons: list[Reason] = (),
                  collectives: dict[str, int] | None = None) -> None:
+    """One graph the pass finished: all-reduces left unfused (and on the caller's stream), the
+    reason of each, the rewrites made before matching."""
     global _graphs
     with _lock:
         _graphs += 1
         _left.update(total=unfused, on_callers_stream=on_callers_stream)
-        _why_not.update(why_not or {})
+        _why_not.update(r.message for r in reasons)
+        _why_not_codes.update(r.code.value for r in reasons)
         _collectives.update(collectives or {})
 
 
@@ -68,16 +76,20 @@ def record_fast_all_reduce(key: str) -> None:
             _fast.add(key)
 
 
-def record_decision(graph_key: str, all_reduce: str, outcome: str, detail: str) -> None:
-    """What the pass did with one all-reduce: outcome "fused" (detail: the site's form),
-    "fast_path" (the plain fast all-reduce), "nccl" (left to NCCL; detail: why) or "merged" (folded
-    into another all-reduce by a rewrite; detail: which)."""
+def record_decision(graph_key: str, decision: Decision) -> None:
+    """What the pass did with one all-reduce of the graph `graph_key` (decisions.Decision)."""
     with _lock:
-        _decisions.append({"graph": graph_key, "all_reduce": all_reduce, "outcome": outcome, "detail": detail})
+        # "outcome" and "detail": the names of the release before (the fate's value; one line).
+        _decisions.append({"graph": graph_key, **decision.as_dict(), "outcome": decision.fate.value,
+                           "decision": decision})
+        if decision.graph_break:
+            _splits[decision.graph_break] += 1
 
 
 def decisions() -> list[dict]:
-    """The pass's decisions, one dict per all-reduce, in the order it met them (this process)."""
+    """The pass's decisions, one dict per all-reduce in the order it met them (this process):
+    `decision` (the decisions.Decision itself), `graph` and the Decision's fields as JSON values
+    (`fate`, `form`, `backend`, `code`, `reason`, `fast_path_code`, ...)."""
     with _lock:
         return [dict(d) for d in _decisions]
 
@@ -88,9 +100,11 @@ def record_pass_seconds(seconds: float) -> None:
         _pass_seconds += seconds
 
 
-def record_dispatch(key: str) -> None:
+def record_dispatch(key: str, captured: bool = False) -> None:
     with _lock:
         _dispatch[key] += 1
+        if captured:
+            _captured[key] += 1
 
 
 def stats() -> dict:
@@ -99,7 +113,8 @@ def stats() -> dict:
 
     fused_sites/by_pattern count the fused sites of the graphs compiled in this process, however
     a graph was obtained: rewritten by the pass, or loaded from the FX graph cache (counted when
-    it first runs). unfused_sites counts the all_reduces the pass left, why_not their reasons,
+    it first runs). unfused_sites counts the all_reduces the pass left, why_not their reasons
+    (message -> count, for people), why_not_codes the same by the reasons' stable codes (decisions.Why),
     and unfused_on_callers_stream those now run as a blocking all-reduce on the caller's stream
     (GPU); these three come from the pass, so a cache hit adds nothing to them. Likewise
     summed_all_reduces_merged (AR(a) + AR(b) rewritten as AR(a + b): one collective fewer each;
@@ -115,7 +130,10 @@ def stats() -> dict:
     (arfusion::all_reduce), counted like fused_sites; unfused_sites counts them too (they are not
     fused into a site). dispatch counts op calls per backend: fused calls by backend name, or
     "fallback" when a call ran unfused; fast-path calls as "<backend> all-reduce", or "nccl
-    all-reduce" where the fast path declined at run time.
+    all-reduce" where the fast path declined at run time. dispatch_in_cuda_graphs counts, the same
+    way, the calls made while a CUDA graph was being captured (each then runs at every replay).
+    split_by_graph_breaks counts, by the function where Dynamo broke the graph, the all-reduces
+    whose norm that break put in another graph (arfusion.graph_breaks), so they could not fuse.
     pass_seconds is the time spent inside the pass (what it adds to compiles).
     """
     with _lock:
@@ -125,6 +143,7 @@ def stats() -> dict:
             "unfused_sites": _left["total"],
             "unfused_on_callers_stream": _left["on_callers_stream"],
             "why_not": dict(_why_not),
+            "why_not_codes": dict(_why_not_codes),
             "summed_all_reduces_merged": _collectives["summed_all_reduces_merged"],
             "gated_all_reduces_merged": _collectives["gated_all_reduces_merged"],
             "sums_moved_before_all_reduce": _collectives["sums_moved_before_all_reduce"],
@@ -134,7 +153,9 @@ def stats() -> dict:
             "scaled_all_reduces_fused": _collectives["scaled_all_reduces_fused"],
             "moe_combines_fused": len(_moe_combines),
             "fast_path_all_reduces": len(_fast),
+            "split_by_graph_breaks": dict(_splits),
             "dispatch": dict(_dispatch),
+            "dispatch_in_cuda_graphs": dict(_captured),
             "graphs": _graphs,
             "pass_seconds": _pass_seconds,
         }
@@ -149,9 +170,12 @@ def reset_stats() -> None:
         _fast.clear()
         _decisions.clear()
         _why_not.clear()
+        _why_not_codes.clear()
         _collectives.clear()
+        _splits.clear()
         _left.clear()
         _dispatch.clear()
+        _captured.clear()
         _graphs = 0
 
 

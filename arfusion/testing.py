@@ -19,7 +19,11 @@ ones, so what fuses is what fuses on GPUs.
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import logging
+import math
+import time
 import types
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ from torch._inductor import config as inductor_config
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from .config import PassConfig
+from .decisions import Fate
 from .fusion_pass import inductor_options
 from .stats import decisions as pass_decisions
 from .stats import stats as pass_stats
@@ -42,40 +47,34 @@ REWRITES = {"summed_all_reduces_merged": "merged", "gated_all_reduces_merged": "
             "scaled_sums_distributed": "scaled sum split",
             "scaled_all_reduces_fused": "scaled (factor in the op)",
             "moe_combines_fused": "top-k combine fused"}
-# Rewrites that fold all-reduces into another one: each counts the all-reduces that went away.
-MERGES = {"summed_all_reduces_merged": "summed with another: AR(a) + AR(b) -> AR(a + b)",
-          "concatenated_all_reduces_merged": "concatenated with others: cat(AR(a), AR(b)) -> AR(cat(a, b))"}
-# How rows and verdicts name the pass's outcomes; any other outcome is shown as it is spelt.
-OUTCOMES = {"fused": "fused", "merged": "merged", "fast_path": "fast path", "nccl": "left"}
+# How rows and verdicts name the fates.
+FATES = {Fate.FUSED: "fused", Fate.MERGED: "merged", Fate.FAST_PATH: "fast path", Fate.NCCL: "left",
+         Fate.CALLERS_STREAM: "left (caller's stream)"}
+LEFT = (Fate.NCCL, Fate.CALLERS_STREAM)  # not fused, not on the fast path
 
 
 @dataclass(frozen=True)
 class Row:
-    """One all-reduce: `outcome` "fused" (detail: the site's form), "merged" (folded into another
-    all-reduce), "fast_path" (not a site; on the fast plain all-reduce), "nccl" (left; detail:
-    why) or any outcome the pass adds later. `graph` numbers the compiled graphs from 1 (0: the
-    row was counted from stats, not named by the pass)."""
+    """One all-reduce: its `fate`, the fused form (FUSED) or the code of why it was not fused
+    (`code`), and `detail` for people. `graph` numbers the compiled graphs from 1."""
 
     graph: int
     all_reduce: str
-    outcome: str
+    fate: Fate
+    code: str | None
     detail: str
 
+    @property
+    def outcome(self) -> str:
+        """The fate's value (the name of the release before)."""
+        return self.fate.value
 
-def rows_from(decisions: list[dict], stats: dict) -> list[Row]:
-    """Rows from the pass's decisions of one compile, plus one row per all-reduce a rewrite
-    folded into another (counted in `stats`, where the pass did not name it)."""
+
+def rows_from(decisions: list[dict]) -> list[Row]:
+    """Rows from the pass's decisions of one compile (stats.decisions()), graphs numbered."""
     graphs: dict[str, int] = {}
-    rows = [Row(graphs.setdefault(d["graph"], len(graphs) + 1), d["all_reduce"], d["outcome"], d["detail"])
-            for d in decisions]
-    named = sum(1 for r in rows if r.outcome == "merged")
-    for key, what in MERGES.items():
-        for _ in range(stats.get(key, 0)):
-            if named:
-                named -= 1
-                continue
-            rows.append(Row(0, "-", "merged", what))
-    return rows
+    return [Row(graphs.setdefault(d["graph"], len(graphs) + 1), d["all_reduce"], Fate(d["fate"]), d["code"],
+                d["detail"]) for d in decisions]
 
 
 def describe_rewrites(rewrites: dict[str, int]) -> str:
@@ -110,8 +109,8 @@ class FusionReport:
     output: Any = field(default=None, repr=False)
     title: str = ""
 
-    def count(self, outcome: str) -> int:
-        return sum(1 for r in self.rows if r.outcome == outcome)
+    def count(self, *fates: Fate) -> int:
+        return sum(1 for r in self.rows if r.fate in fates)
 
     @property
     def all_reduces(self) -> int:
@@ -119,21 +118,26 @@ class FusionReport:
 
     @property
     def fused(self) -> int:
-        return self.count("fused")
+        return self.count(Fate.FUSED)
 
     @property
     def merged(self) -> int:
-        return self.count("merged")
+        return self.count(Fate.MERGED)
 
     @property
     def forms(self) -> Counter:
         """Fused form -> how many all-reduces fused in it."""
-        return Counter(r.detail for r in self.rows if r.outcome == "fused")
+        return Counter(r.detail for r in self.rows if r.fate is Fate.FUSED)
 
     @property
-    def reasons(self) -> Counter:
-        """Why an all-reduce was left (outcome "nccl") -> how many."""
-        return Counter(r.detail for r in self.rows if r.outcome == "nccl")
+    def codes(self) -> Counter:
+        """Why an all-reduce was not fused, by code -> how many (every fate but FUSED and MERGED)."""
+        return Counter(r.code for r in self.rows if r.fate not in (Fate.FUSED, Fate.MERGED))
+
+    @property
+    def left_codes(self) -> Counter:
+        """Why an all-reduce left to NCCL was not fused, by code -> how many."""
+        return Counter(r.code for r in self.rows if r.fate in LEFT)
 
     @property
     def rewrites(self) -> dict[str, int]:
@@ -153,17 +157,18 @@ class FusionReport:
         parts = [f"{self.fused} of {self.all_reduces} all-reduce{'s' * (self.all_reduces > 1)} fused"]
         if self.merged:
             parts.append(f"{self.merged} merged into another")
-        for outcome, n in Counter(r.outcome for r in self.rows).items():
-            if outcome in ("fused", "merged"):
-                continue
-            details = _fmt_counts(Counter(r.detail for r in self.rows if r.outcome == outcome))
-            name = {"nccl": "left", "fast_path": "on the fast path"}.get(outcome, outcome)
-            parts.append(f"{n} {name}" + (f": {details}" if details else ""))
+        for fate in (Fate.FAST_PATH, Fate.CALLERS_STREAM, Fate.NCCL):
+            n = self.count(fate)
+            if n:
+                details = _fmt_counts(Counter(r.detail for r in self.rows if r.fate is fate))
+                name = {Fate.NCCL: "left", Fate.FAST_PATH: "on the fast path",
+                        Fate.CALLERS_STREAM: "left on the caller's stream"}[fate]
+                parts.append(f"{n} {name}" + (f": {details}" if details else ""))
         return ", ".join(parts)
 
     def table(self) -> str:
         head = ("graph", "all-reduce", "outcome", "detail")
-        cells = [(str(r.graph or "-"), r.all_reduce, OUTCOMES.get(r.outcome, r.outcome), r.detail) for r in self.rows]
+        cells = [(str(r.graph or "-"), r.all_reduce, FATES[r.fate], r.detail) for r in self.rows]
         widths = [max(len(c[i]) for c in [head, *cells]) for i in range(3)]
         return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(3)) + "  " + c[3] for c in [head, *cells])
 
@@ -174,8 +179,13 @@ class FusionReport:
         if self.rewrites:
             lines.append(f"rewrites: {describe_rewrites(self.rewrites)}")
         if self.graphs > 1:
-            lines.append(f"{self.graphs} graphs: Dynamo broke the model's forward; an all-reduce and its norm in "
-                         "different graphs cannot fuse")
+            lines.append(f"{self.graphs} graphs compiled (graph breaks, or recompiles for new shapes): an all-reduce "
+                         "and its norm in different graphs cannot fuse")
+        splits = self.stats.get("split_by_graph_breaks") or {}
+        if splits:
+            lines.append("graph breaks that split sites: " + ", ".join(
+                f"{function} splits {n} all-reduce{'s' * (n > 1)} from {'their norms' if n > 1 else 'its norm'}"
+                for function, n in sorted(splits.items(), key=lambda kv: -kv[1])))
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
 
@@ -187,21 +197,25 @@ class FusionReport:
         assert_fused(self, left=0)
 
     def summary(self) -> dict:
-        """The coverage sweep's fields of a model (docs/data/coverage.json): all_reduces (per
+        """The coverage sweeps' fields of a model (docs/data/coverage*.json): all_reduces (per
         forward, as the pass met them, merged ones included), merged, fast_path, left_nccl and
-        nccl_reasons (why each left one is not on the fast path), fused (sites, as stats count
-        them), by_pattern, unfused_sites, why_not, rewrites, graphs, not_fused_log (the log's
-        "not fused" lines by reason) and log (its first 20 lines about fusing)."""
+        nccl_codes (why each one left on NCCL was not fused, by code), fused (sites, as stats
+        count them), by_pattern, unfused_sites, why_not_codes (every reason by code), why_not
+        (the same by message, for people), rewrites, graphs, not_fused_log (the log's "not fused"
+        lines by reason) and log (its first 20 lines about fusing)."""
         s = self.stats
-        return {"all_reduces": self.all_reduces, "merged": self.merged, "fast_path": self.count("fast_path"),
-                "left_nccl": self.count("nccl"), "nccl_reasons": dict(self.reasons),
+        return {"all_reduces": self.all_reduces, "merged": self.merged, "fast_path": self.count(Fate.FAST_PATH),
+                "left_nccl": self.count(*LEFT), "nccl_codes": dict(self.left_codes),
                 "fused": s.get("fused_sites", 0), "by_pattern": s.get("by_pattern", {}),
-                "unfused_sites": s.get("unfused_sites"), "why_not": s.get("why_not", {}), "rewrites": self.rewrites,
-                "graphs": s.get("graphs"), "not_fused_log": not_fused_reasons(self.log),
+                "unfused_sites": s.get("unfused_sites"), "why_not_codes": s.get("why_not_codes", {}),
+                "why_not": s.get("why_not", {}), "rewrites": self.rewrites,
+                "graphs": s.get("graphs"), "split_by_graph_breaks": s.get("split_by_graph_breaks", {}),
+                "not_fused_log": not_fused_reasons(self.log),
                 "log": [line for line in self.log if "fused" in line][:20]}
 
     def to_dict(self) -> dict:
-        return {"verdict": self.verdict, "rows": [r.__dict__ for r in self.rows], **self.summary()}
+        return {"verdict": self.verdict, "rows": [{**r.__dict__, "fate": r.fate.value} for r in self.rows],
+                **self.summary()}
 
 
 def assert_fused(report: FusionReport, *, all_reduces: int | None = None, fused: int | None = None,
@@ -220,16 +234,35 @@ def assert_fused(report: FusionReport, *, all_reduces: int | None = None, fused:
 @contextlib.contextmanager
 def fake_world(world_size: int = 2) -> Iterator[int]:
     """A process group of `world_size` ranks in this one process (torch's fake backend:
-    collectives return at once and compute nothing; graphs are real), destroyed on exit. Where a
-    process group exists already, that one is used and left alone. Yields the world size."""
+    collectives return at once and compute nothing; graphs are real), destroyed on exit, with
+    `fake_gloo_groups` meanwhile. Where a process group exists already, that one is used and left
+    alone. Yields the world size."""
     if dist.is_initialized():
         yield dist.get_world_size()
         return
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield world_size
+        with fake_gloo_groups():
+            yield world_size
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_gloo_groups() -> Iterator[None]:
+    """Under a fake process group: groups asked for with the gloo backend get the fake one
+    (transformers' continuous batching makes one for its scheduling messages)."""
+    new_group = dist.new_group
+
+    @functools.wraps(new_group)
+    def make(*args, backend=None, **kwargs):
+        return new_group(*args, backend="fake" if backend == "gloo" else backend, **kwargs)
+
+    dist.new_group = make
+    try:
+        yield
+    finally:
+        dist.new_group = new_group
 
 
 class _Lines(logging.Handler):
@@ -285,7 +318,7 @@ def compile_and_run(fn: Callable, args: tuple = (), kwargs: dict | None = None, 
         output = compiled(*args, **(kwargs or {}))
     delta = _delta(pass_stats(), before)
     decisions = [d for d in pass_decisions() if d["graph"] not in seen] if config is not None else []
-    return FusionReport(rows_from(decisions, delta), delta, list(lines), output, title)
+    return FusionReport(rows_from(decisions), delta, list(lines), output, title)
 
 
 def fusion_report(module: Callable, example_inputs: Any = (), world_size: int = 2, *,
@@ -305,3 +338,107 @@ def fusion_report(module: Callable, example_inputs: Any = (), world_size: int = 
         args, kwargs = (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)), {}
     with fake_world(world_size), torch.set_grad_enabled(grad):
         return compile_and_run(module, args, kwargs, config=config)
+
+
+# ----------------------------------------------------------------------------- continuous batching
+@dataclass
+class BatchRun:
+    """One `generate_batch` call: greedy tokens and their log-probabilities per request, what the
+    pass did meanwhile (`report`), the call's wall time, and transformers' outputs themselves."""
+
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, list[float]]
+    report: FusionReport
+    seconds: float
+    outputs: dict = field(default_factory=dict, repr=False)
+
+    def in_order(self) -> list[str]:
+        """The request ids in the order the prompts were given (a kept manager numbers on)."""
+        return sorted(self.tokens, key=lambda k: int(k.rsplit("_", 1)[-1]))
+
+
+def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 8, *, config: PassConfig | None = None,
+                   compiled: bool = True, cuda_graphs: bool = False, num_blocks: int | None = 64,
+                   max_batch_tokens: int | None = 64, record_timestamps: bool = False, persistent: bool = False,
+                   **cb_options) -> BatchRun:
+    """Greedy `model.generate_batch(prompts)` through transformers' continuous batching, with its
+    varlen and decode paths compiled with the pass under `config` (None: plain Inductor, or the
+    pass `arfusion.enable` installed; `compiled=False`: eager) and its own CUDA graphs if
+    `cuda_graphs`. The cache is sized by `num_blocks` and `max_batch_tokens` (None: transformers
+    sizes it from free memory, most of it by default); `cb_options` go to `ContinuousBatchingConfig`;
+    `record_timestamps` keeps each token's time in the outputs; `persistent` keeps transformers'
+    manager (its compiled paths, CUDA graphs and cache) for the next call, which then reuses it
+    (`model.destroy_cached_continuous_batching_manager()` ends it). Call
+    `arfusion.hf.prepare_for_compile(model)` first, as for any compile."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import CompileConfig, ContinuousBatchingConfig
+
+    paths = {}
+    if compiled:
+        options = inductor_options(config) if config is not None else {}
+        paths = {f"{path}_compile_config": CompileConfig(mode=None, options=options, fullgraph=False)
+                 for path in ("varlen", "decode")}
+    cb_config = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                                         use_cuda_graph=cuda_graphs, return_logprobs=True, **paths, **cb_options)
+    generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    before, seen = pass_stats(), {d["graph"] for d in pass_decisions()}
+    started = time.perf_counter()
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
+            _arfusion_log() as lines, torch.no_grad():
+        out = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=cb_config,
+                                   progress_bar=False, record_timestamps=record_timestamps,
+                                   persistent_manager=persistent)
+    seconds = time.perf_counter() - started
+    if not persistent:
+        # The finished manager's CUDA-graph memory pool, freed now rather than by a garbage collection
+        # that may fall inside the next manager's capture (torch 2.11 aborts there).
+        gc.collect()
+    failed = {k: o.error for k, o in out.items() if o.error}
+    if failed:
+        raise RuntimeError(f"generate_batch failed: {failed}")
+    delta = _delta(pass_stats(), before)
+    decisions = [d for d in pass_decisions() if d["graph"] not in seen]
+    report = FusionReport(rows_from(decisions), delta, list(lines), None, "continuous batching:")
+    return BatchRun({k: list(o.generated_tokens) for k, o in out.items()},
+                    {k: list(o.logprobs) for k, o in out.items()}, report, seconds, out)
+
+
+def _first_difference(got: list[int], want: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+
+
+def _top_two_gap(model, ids: list[int]) -> tuple[float, float]:
+    """(gap between the model's two best next-token logits, its largest |logit|), eagerly."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1]), float(logits.abs().max())
+
+
+def greedy_departures(model, prompts: list[list[int]], want: BatchRun, got: BatchRun, *,
+                      noise: BatchRun | None = None, tie_ulps: int = 4) -> list[dict]:
+    """Per prompt of two `generate_batch` runs of `prompts`: where `got`'s greedy tokens first
+    differ from `want`'s, and whether that is allowed: at a near tie of the model run eagerly on
+    `want`'s prefix (its two best logits within `tie_ulps` ulp, in the model's dtype, of its
+    largest logit), or where `noise` (e.g. Inductor alone) departed already, at that step or before.
+    fp32 models allow no difference. Also the largest |log-prob difference| of the tokens both
+    chose. Every rank of a TP model must call it (the tie check runs the model)."""
+    dtype = next(model.parameters()).dtype
+    runs = [want, got] + ([noise] if noise is not None else [])
+    rows = []
+    for i, keys in enumerate(zip(*(r.in_order() for r in runs))):
+        wanted, gotten = want.tokens[keys[0]], got.tokens[keys[1]]
+        at = _first_difference(gotten, wanted)
+        noise_at = _first_difference(noise.tokens[keys[2]], wanted) if noise is not None else None
+        row = {"request": i, "departs_at": at, "noise_departs_at": noise_at, "ok": at is None}
+        if at is not None:
+            gap, largest = _top_two_gap(model, prompts[i] + wanted[:at])
+            tolerance = tie_ulps * torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(largest, 1e-30)))
+            row.update(gap=gap, tie_tolerance=tolerance, near_tie=dtype != torch.float32 and gap <= tolerance)
+            row["ok"] = row["near_tie"] or (noise_at is not None and noise_at <= at)
+        same = at if at is not None else len(wanted)
+        row["max_logprob_diff"] = max((abs(a - b) for a, b in zip(got.logprobs[keys[1]][:same],
+                                                                  want.logprobs[keys[0]][:same])), default=0.0)
+        rows.append(row)
+    return rows

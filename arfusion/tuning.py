@@ -30,12 +30,13 @@ import torch.distributed as dist
 from . import ops  # noqa: F401  (registers torch.ops.arfusion.*, called below)
 from . import reference
 from .backends import flashinfer_dispatch as dispatch
+from .decisions import Reason
 from .backends import get_backend
-from .core import PLAIN, Call, Site
+from .core import PLAIN, Call, Form
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
                   3072, 4096, 6144, 8192)
-NORM_SITE = Site(residual=True, norm="rms")
+NORM_SITE = Form(residual=True, norm="rms")
 
 
 # ----------------------------------------------------------------- timing helpers
@@ -140,12 +141,12 @@ def unfused_step(x, residual, weight, eps, group, norm_fn):
     return norm_fn(x, residual, weight, eps, NORM_SITE)
 
 
-def fused_step(x, residual, weight, eps, group_name, max_bytes, backend="flashinfer", quantized=""):
-    """The fused op; with `quantized` it always runs that quantized all-reduce (threshold 0)."""
+def fused_step(x, residual, weight, eps, group_name, max_bytes, backend="flashinfer", codec=None):
+    """The fused op; with a `codec` it always runs that quantized all-reduce (threshold 0)."""
     return torch.ops.arfusion.fused_allreduce_rmsnorm(
         x=x, residual=residual, weight=weight, eps=eps, eps_tensor=None, group_name=group_name, norm="rms",
         quant="none", quant_scale=None, emit_norm=True, backend=backend, max_bytes=max_bytes,
-        quantized=quantized, quantized_min_bytes=0 if quantized else -1)
+        codec=codec, codec_min_bytes=0 if codec else None)
 
 
 def kernel_step(backend, call: Call, x, residual, weight, eps):
@@ -256,7 +257,7 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     rank = group.rank()
     device = torch.device("cuda", torch.cuda.current_device())
     backend = get_backend("flashinfer")
-    if isinstance(backend, str):
+    if isinstance(backend, Reason):
         raise RuntimeError(backend)
     itemsize = torch.empty((), dtype=dtype).element_size()
     tokens = sorted({t for t in tokens if 1 <= t and t * hidden * itemsize <= dispatch.HARD_MAX_FUSED_BYTES})
@@ -286,11 +287,11 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
                                            group, calls, replays))
             # The plain all-reduce against NCCL alone (what an all-reduce that is not a site runs).
             times.append(time_in_graph(lambda: dist.all_reduce(x_unfused, group=group), group, calls, replays))
-            plain = replace(probe, site=PLAIN, tokens=t, oneshot=True)
+            plain = replace(probe, form=PLAIN, tokens=t, oneshot=True)
             times.append(time_in_graph(lambda: backend.all_reduce(plain, x), group, calls, replays))
             if quantized:
                 times.append(time_in_graph(lambda: fused_step(x, res, weight, eps, group_name, max_bytes,
-                                                              quantized=quantized), group, calls, replays))
+                                                              codec=quantized), group, calls, replays))
             unfused, one, two, nccl, plain_us, *quant = slowest_rank(times, group)
             rows.append(Measured(t, unfused, one, None if two != two else two, quant[0] if quant else None,
                                  nccl, plain_us))

@@ -37,7 +37,7 @@ message sizes (--mib, per rank, hidden 4096: tokens = MiB * 2^20 / (4096 * 2)), 
   c    arfusion's op with FlashInfer's exact fused kernel forced (it may decline: see c_dispatch)
   b    the function compiled with the pass and quantized_allreduce="fp8" (static shapes): the
        dispatch table and the quantized crossover decide, as for a user
-  q    arfusion's op with the quantized all-reduce forced (quantized_min_bytes=0)
+  q    arfusion's op with the quantized all-reduce forced (codec_min_bytes=0)
   fi_q FlashInfer's quantized_all_reduce called directly + the same compiled norm
 Each with what ran (stats()["dispatch"]) and the norm output's relative error against a0's. The
 exact path ("ex") is what arfusion takes without quantization: c where the table fuses, else a0.
@@ -57,15 +57,16 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from common import dispatch_since, no_multicast, rel_err, rounded, save_json  # noqa: E402
+from arfusion.decisions import Reason  # noqa: E402
 from fused_op_cases import (EPS, TOKENS, add_norm, add_norm_quant, calls_per_graph, finish,  # noqa: E402
                             init_distributed, inputs, launch_variant, make_model_fn, make_quant_model_fn,
                             norm_weight, save_rows, with_pass)
-from fused_op_report import format_quantized_table, format_table, plot  # noqa: E402
+from fused_op_report import format_codec_table, format_table, plot  # noqa: E402
 
 
 def fused_path(backend, call) -> str:
     """What the dispatch table makes of a call: one-shot, two-shot, or left unfused."""
-    if isinstance(backend, str) or backend.why_not(call) is not None:
+    if isinstance(backend, Reason) or backend.why_not(call) is not None:
         return "unfused"
     return "fused one-shot" if backend.use_oneshot(call) else "fused two-shot"
 
@@ -75,12 +76,13 @@ def run(args):
     from arfusion import reference, tuning
     from arfusion.backends import flashinfer_dispatch as dispatch
     from arfusion.backends import get_backend
-    from arfusion.core import Call, Site
+    from arfusion.decisions import Reason
+    from arfusion.core import Call, Form
 
     rank, world, device, say = init_distributed()
     group, gname = dist.group.WORLD, dist.group.WORLD.group_name
     backend = get_backend("flashinfer")
-    site = Site(residual=True, norm="rms")
+    site = Form(residual=True, norm="rms")
     say(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, world {world}, "
         f"calls/graph {args.calls or 'auto'}, replays {args.replays}")
 
@@ -142,7 +144,7 @@ def run(args):
                 row["br_us"] = timed(lambda: model_br(x, res, weight))
                 row["br_err"] = rel_err(model_br(x, res, weight)[0], model_ur(x, res, weight)[0])
 
-            if nbytes <= dispatch.HARD_MAX_FUSED_BYTES and not isinstance(backend, str):
+            if nbytes <= dispatch.HARD_MAX_FUSED_BYTES and not isinstance(backend, Reason):
                 forced = lambda: tuning.fused_step(x, res, weight, EPS, gname, dispatch.HARD_MAX_FUSED_BYTES)
                 row["c_us"] = timed(forced)
                 row["c_err"] = rel_err(forced()[1], want[1])
@@ -170,7 +172,7 @@ def run(args):
             rows.append(row)
             say(json.dumps(rounded(row)))
     dist.barrier()
-    if not isinstance(backend, str):
+    if not isinstance(backend, Reason):
         backend.close()
     if rank == 0:
         path = os.path.join(args.out, f"bench_w{world}.json")
@@ -184,12 +186,13 @@ def run(args):
     dist.destroy_process_group()
 
 
-def run_quant(args):
+def run_output_quant(args):
     import arfusion
     from arfusion import quant, reference, tuning
     from arfusion.backends import flashinfer_dispatch as dispatch
     from arfusion.backends import get_backend
-    from arfusion.core import Call, Site
+    from arfusion.decisions import Reason
+    from arfusion.core import Call, Form
 
     rank, world, device, say = init_distributed()
     group, gname = dist.group.WORLD, dist.group.WORLD.group_name
@@ -205,7 +208,7 @@ def run_quant(args):
     weight = norm_weight(g, hidden, device)
     scale = torch.tensor(0.02, device=device)  # 0-d fp32, as a static checkpoint's input scale
     for form in args.quant:
-        site = Site(residual=True, norm="rms", quant=form, emit_norm=False)
+        site = Form(residual=True, norm="rms", quant=form, emit_norm=False)
         q_scale = scale if form == "fp8_static" else None
         norm_a = torch.compile(add_norm_quant(form), dynamic=False)
         model_b = torch.compile(make_quant_model_fn(gname, form), dynamic=False, options=with_pass())
@@ -263,18 +266,19 @@ def run_quant(args):
     finish(rank, backend, format_table(rows), path)
 
 
-def run_quantized(args):
+def run_codec(args):
     import arfusion
     from arfusion import tuning
     from arfusion.backends import flashinfer_dispatch as dispatch
     from arfusion.backends import get_backend
-    from arfusion.core import Call, Site
+    from arfusion.decisions import Reason
+    from arfusion.core import Call, Form
 
     no_multicast()  # before any communicator or symmetric buffer exists
     rank, world, device, say = init_distributed()
     group, gname = dist.group.WORLD, dist.group.WORLD.group_name
     backend = get_backend("flashinfer")  # FlashInfer's "trtllm" backend only: never "auto" / "mnnvl"
-    if isinstance(backend, str):
+    if isinstance(backend, Reason):
         raise SystemExit(f"FlashInfer unavailable: {backend}")
     fi_quantized = importlib.import_module("flashinfer.comm.quantized_allreduce").quantized_all_reduce
     level, hidden = args.quantized, 4096
@@ -321,9 +325,9 @@ def run_quantized(args):
         measure("b", lambda: model_b(x, res, weight), 0)
         # q before fi_q: arfusion's collective warm-up makes FlashInfer's symmetric buffer at its
         # largest size once, so the direct calls never grow it between captures.
-        measure("q", lambda: tuning.fused_step(x, res, weight, EPS, gname, -1, quantized=level), 1)
+        measure("q", lambda: tuning.fused_step(x, res, weight, EPS, gname, None, codec=level), 1)
         measure("fi_q", lambda: norm_a(fi_quantized(x, group), res, weight), 0)
-        row["exact_path"] = fused_path(backend, Call.of_tensors(Site(residual=True, norm="rms"), x, weight, world,
+        row["exact_path"] = fused_path(backend, Call.of_tensors(Form(residual=True, norm="rms"), x, weight, world,
                                                                 gname))
         row["exact_us"] = row.get("a0_us" if row["exact_path"] == "unfused" else "c_us")
         for name, num, den in (("q_vs_a0", "a0_us", "q_us"), ("q_vs_exact", "exact_us", "q_us"),
@@ -333,7 +337,7 @@ def run_quantized(args):
         rows.append(row)
         say(json.dumps(rounded(row, 4)))
         save_rows(rank, path, meta, started, rows)
-    finish(rank, backend, format_quantized_table(rows), path)
+    finish(rank, backend, format_codec_table(rows), path)
 
 
 def main():
@@ -359,9 +363,9 @@ def main():
     if args.plot:
         plot(args.plot, args.png)
     elif args.quantized:
-        run_quantized(args)
+        run_codec(args)
     elif args.quant:
-        run_quant(args)
+        run_output_quant(args)
     else:
         run(args)
 

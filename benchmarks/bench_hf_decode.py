@@ -72,6 +72,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from arfusion.backends import get_backend  # noqa: E402
+from arfusion.decisions import Reason  # noqa: E402
 from arfusion.config import QUANTIZED_LEVELS  # noqa: E402
 from common import no_multicast  # noqa: E402
 from decode_host import phase_generate, phase_loop  # noqa: E402
@@ -116,7 +117,7 @@ def run(b: Bench) -> None:
     gc.collect()
     b.sync()
     backend = get_backend("flashinfer")
-    if not isinstance(backend, str):
+    if not isinstance(backend, Reason):
         backend.close()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()

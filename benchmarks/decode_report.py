@@ -86,7 +86,7 @@ def plot(paths, png):
     ax_step.set(ylabel="ms per decode step (one CUDA graph)",
                 title=f"{m['model_type']} {m['layers']}L h{m['hidden']}, {m['device']}: decode step")
     ax_step.legend(fontsize=7)
-    ax_acc.axhline(2e-2, color="red", lw=0.8, ls=":", label="issue target 2e-2")
+    ax_acc.axhline(2e-2, color="red", lw=0.8, ls=":", label="accuracy bar 2e-2")
     ax_acc.set(yscale="log", xlabel="teacher-forced step", ylabel="logits relative L2", title="accuracy")
     ax_acc.legend(fontsize=7)
     save_figure(fig, png)

@@ -1,4 +1,4 @@
-"""Accuracy harness (issue 14, part 1): held-out loss / perplexity and teacher-forced logits of a
+"""Accuracy harness (docs/accuracy.md): held-out loss / perplexity and teacher-forced logits of a
 trained model, tensor parallel, each configuration against an fp32 run of the same weights.
 
     python benchmarks/train_tiny_llama.py --out ckpt/                                   # one GPU, minutes
@@ -28,7 +28,7 @@ its relative change vs fp32 and vs compiled, the max (and mean) over positions o
 relative L2 error vs fp32 (||l - l_fp32|| / ||l_fp32|| over the vocabulary), top-1 agreement with
 fp32, and for arfusion configurations the sites the pass fused and the calls that ran a quantized
 all-reduce (0 where the backend has no such level: it then ran exact, and says why in the log).
-`checks` holds the issue's bars against compiled: arfusion_exact: max logits rel err vs fp32
+`checks` holds the accuracy bars against compiled: arfusion_exact: max logits rel err vs fp32
 <= 1.1 x compiled's + --abs-slack and |perplexity change| <= 0.1%; arfusion_fp8: |perplexity
 change| <= 1% (lossy: no logits bar). `--configs` selects which run.
 """

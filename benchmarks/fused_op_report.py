@@ -7,7 +7,7 @@ import json
 from common import pyplot, save_figure
 
 
-def format_quantized_table(rows):
+def format_codec_table(rows):
     """Speedups are time ratios (>1: the second one named is faster): a0/q, ex/q, ex/b, fi_q/q."""
     lines = [f"{'MiB':>4} {'T':>5} {'a0 us':>8} {'c us':>8} {'b us':>8} {'q us':>8} {'fi_q us':>8} "
              f"{'a0/q':>6} {'ex/q':>6} {'ex/b':>6} {'fi_q/q':>6} {'q err':>8}  exact path; b ran; c ran"]

@@ -1,4 +1,4 @@
-"""The awkward-input cases of issue 15, run by one rank of an initialised group.
+"""The awkward-input cases (docs/reliability.md), run by one rank of an initialised group.
 
 `tests/test_bad_inputs.py` runs them on 2 gloo ranks on CPU with the `torch` backend;
 `tests/gpu/check_bad_inputs.py` runs the same cases on GPUs through FlashInfer. Every case
@@ -141,7 +141,9 @@ def run_case(name, model, inputs, backend, results, messages, dynamic=False) -> 
     except Exception as e:
         result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000], "trace": traceback.format_exc()[-3000:]}
     stats = arfusion.stats()
-    result["stats"] = {k: stats[k] for k in ("fused_sites", "unfused_sites", "why_not", "dispatch", "by_pattern")}
+    result["stats"] = {k: stats[k] for k in ("fused_sites", "unfused_sites", "why_not_codes", "dispatch", "by_pattern")}
+    # What became of each all-reduce: its fate, the code of why it was not fused, and that reason's message.
+    result["decisions"] = [{k: d[k] for k in ("fate", "code", "reason")} for d in arfusion.stats.decisions()]
     result["log"] = messages[first_message:]
     result["seconds"] = round(time.perf_counter() - started, 2)
     results[name] = result

@@ -18,6 +18,10 @@ The quick all-reduce ("quickreduce") ops and its communicator module, likewise s
   V_MAIN: ROCm/aiter main (read at 4f5c2ba and 0c3e72b), the same two files; the fake's
          qr_exchange_handles does what main's does (the code is this file's own)
   V_STAGE: not read for the quick all-reduce, so the fake gives that version none.
+
+At the end, what tests/test_aiter_backend.py and tests/test_aiter_quick_reduce.py share:
+`simulate_rocm` (a ROCm torch build with one GPU of a given arch, the fake installed) and `call`
+(a fused site's call on that GPU, CUDA, over the group GROUP).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from typing import Any, Callable
 import torch
 
 from arfusion import reference
+from arfusion.backends.aiter import limits
+from arfusion.core import Call, Form
 
 V017, V_STAGE, V_MAIN = "0.1.7.post2.dev18", "0.1.9+g86a98ee", "0.1.13+g03644e5"
 
@@ -442,3 +448,29 @@ class FakeAiter:
     def install(self, monkeypatch) -> None:
         for name, m in self.modules().items():
             monkeypatch.setitem(sys.modules, name, m)
+
+
+# --- a simulated ROCm machine, as the aiter backend's tests set it up -----------------------
+
+CUDA = torch.device("cuda", 0)
+GROUP = "tp0"
+
+
+def simulate_rocm(monkeypatch, arch: str = "gfx942", fake: FakeAiter | None = None) -> FakeAiter:
+    """A ROCm torch build with one GPU of `arch` and (fake) aiter installed."""
+    fake = fake or FakeAiter(fp8=limits.LIMITS.fp8_dtypes.get(arch, torch.float8_e4m3fn))
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    props = types.SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fake.install(monkeypatch)
+    return fake
+
+
+def call(tokens=4, hidden=4096, world_size=2, dtype=torch.bfloat16, weight_dtype=None, residual=True,
+         norm="rms", quant_form="none", emit_norm=True) -> Call:
+    """A fused site's call on that machine's GPU (CUDA), over the group GROUP."""
+    site = Form(residual=residual, norm=norm, quant=quant_form, emit_norm=emit_norm)
+    return Call(form=site, tokens=tokens, hidden=hidden, dtype=dtype,
+                weight_dtype=weight_dtype or dtype, world_size=world_size, device=CUDA,
+                group_name=GROUP)

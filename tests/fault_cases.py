@@ -1,4 +1,4 @@
-"""Rank workers for tests/test_faults.py: the FAULT cases of issue 15 that run on CPU with gloo.
+"""Rank workers for tests/test_faults.py: the fault cases of docs/reliability.md that run on CPU with gloo.
 
 Each spawn starts fresh processes (a gloo world over a new TCP store), runs one worker
 function per rank and writes `rank{r}.json` after every case, so a case that hangs or crashes
@@ -141,7 +141,7 @@ def stats() -> dict:
     import arfusion
 
     s = arfusion.stats()
-    return {k: s[k] for k in ("fused_sites", "by_pattern", "unfused_sites", "why_not", "dispatch", "graphs")}
+    return {k: s[k] for k in ("fused_sites", "by_pattern", "unfused_sites", "why_not_codes", "dispatch", "graphs")}
 
 
 def counters() -> dict:
@@ -316,14 +316,14 @@ def dp_by_tp(rank, world, ports, rec):
 
 
 def _fake_flashinfer(process):
-    """The FlashInfer stand-in of tests/test_flashinfer_backend.py, run by the real op on CPU
-    tensors; its workspace all-reduces over the group it was created for, as a real one (IPC
-    buffers of that group's peers) does."""
+    """The FlashInfer stand-in (tests/fake_flashinfer.py), run by the real op on CPU tensors; its
+    workspace all-reduces over the group it was created for, as a real one (IPC buffers of that
+    group's peers) does."""
     from arfusion import runtime
     from arfusion.backends import flashinfer as fi
     from arfusion.backends import get_backend
 
-    from .test_flashinfer_backend import H200, install_fake_flashinfer
+    from .fake_flashinfer import H200, install_fake_flashinfer
 
     calls = install_fake_flashinfer()
     fi.device_facts = lambda index: replace(H200, uuid=f"GPU-fake-{process}")
@@ -337,15 +337,16 @@ def _fake_flashinfer(process):
 def _fused_op_vs_reference(process, backend_name):
     import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
     from arfusion import reference
-    from arfusion.core import Site
+    from arfusion.core import Form
 
     torch.manual_seed(400 + process)
     x, res = torch.randn(8, 64, dtype=BF16), torch.randn(8, 64, dtype=BF16)
     w = (1 + 0.1 * torch.randn(64)).to(BF16)
     name = dist.group.WORLD.group_name
-    got = torch.ops.arfusion.fused_allreduce_rmsnorm(x, res, w, 1e-6, None, name, "rms", "none", None, True,
-                                                     backend_name, -1)
-    want = reference.unfused(x, res, w, 1e-6, name, Site(residual=True, norm="rms"))
+    got = torch.ops.arfusion.fused_allreduce_rmsnorm(
+        x=x, residual=res, weight=w, eps=1e-6, eps_tensor=None, group_name=name, norm="rms", quant="none",
+        quant_scale=None, emit_norm=True, backend=backend_name)
+    want = reference.unfused(x, res, w, 1e-6, name, Form(residual=True, norm="rms"))
     return compare(got, want)
 
 
@@ -353,8 +354,9 @@ def repaired_worlds(process, world, ports, rec):
     """The 4 processes leave the 4-rank world and pair up as two worlds of 2 ({0,1}, {2,3}), then
     re-pair ({0,2}, {1,3}): every process's WORLD is "0" of size 2 both times, with a different
     peer. Compiled graphs (torch backend) resolve "0" when they run: they must reduce with the
-    new peer. The FlashInfer stand-in keeps per-group state keyed by the group's name: the second
-    pairing reuses the first pairing's workspace (test_faults marks that xfail)."""
+    new peer. The FlashInfer backend looks its per-group state up by the group's name: the second
+    pairing's "0" is another ProcessGroup, so it must get a workspace of its own, negotiated with
+    the new peer (test_faults checks one is created and the result is the new pair's sum)."""
     from .models import RowParallelThenNorm
 
     dist.barrier()

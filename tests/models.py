@@ -75,6 +75,35 @@ class RowParallelThenNorm(nn.Module):
         return out if self.sum_unused else (out, h)
 
 
+class EpsBufferNorm(nn.Module):
+    """An RMSNorm whose eps is a 0-d buffer (`+ self.eps`): `model.to(dtype)` rounds it to the
+    model's dtype, as loading a checkpoint in bf16 does."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(hidden))
+        self.register_buffer("eps", torch.tensor(eps))
+
+    def forward(self, h):
+        hf = h.float()
+        return self.weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)).to(h.dtype)
+
+
+class EpsBufferSite(nn.Module):
+    """o_proj -> all_reduce -> + residual -> an RMSNorm with a buffer eps."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden, bias=False)
+        self.norm = EpsBufferNorm(hidden)
+
+    def forward(self, x, residual):
+        y = self.proj(x)
+        dist.all_reduce(y)
+        h = residual + y
+        return self.norm(h), h
+
+
 class TinyDecoder(nn.Module):
     """Embedding all-reduce -> norm, then per layer two all-reduce -> add -> norm sites.
 

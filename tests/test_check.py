@@ -3,7 +3,7 @@
 The six models are the released checkpoints' config.json values, built from transformers' config
 classes (nothing downloaded); `arfusion check` must give, per layer, what the coverage sweep
 (docs/data/coverage.json at 8 tokens, coverage_decode.json at 1) recorded for the same model type
-at tiny widths: the same fused count, forms, reasons left and rewrites.
+at tiny widths: the same fused count, forms, reasons left (by code) and rewrites.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 import arfusion
 from arfusion import cli
+from arfusion.check import CheckError, check_tp_size
+from arfusion.decisions import Fate, Why
 from arfusion.testing import FusionReport, Row, assert_fused, fake_world, fusion_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,12 +84,12 @@ def _expected(model_type: str, tokens: int) -> dict:
     row = next(r for r in json.loads(COVERAGE[tokens].read_text())["rows"] if r["model_type"] == model_type)
     check_moe, sweep_moe = MOE_LAYERS.get(model_type, (1, 1))
     rewrites = {k: v * check_moe // sweep_moe if k in MOE_REWRITES else v for k, v in row["rewrites"].items()}
-    want = {"fused": row["fused"], "by_pattern": row["by_pattern"], "why_not": row["why_not"],
+    want = {"fused": row["fused"], "by_pattern": row["by_pattern"], "why_not_codes": row["why_not_codes"],
             "rewrites": rewrites, "graphs": row["graphs"], "unfused_sites": row["unfused_sites"]}
     if "all_reduces" in row:  # the per-all-reduce split, in rows swept since it was added
         merged = row["merged"] * check_moe // sweep_moe
         want.update(all_reduces=row["all_reduces"] - row["merged"] + merged, merged=merged,
-                    fast_path=row["fast_path"], left_nccl=row["left_nccl"], nccl_reasons=row["nccl_reasons"])
+                    fast_path=row["fast_path"], left_nccl=row["left_nccl"], nccl_codes=row["nccl_codes"])
     return want
 
 
@@ -110,6 +112,7 @@ def test_check_gives_the_coverage_sweeps_verdict(model_type, tmp_path):
                           capture_output=True, text=True, timeout=600)
     cpu1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - wall0
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Failed to load" not in done.stderr  # torchao's CUDA extensions on a CPU torch: not shown
     result = json.loads(out.read_text())
     lines = done.stdout.strip().splitlines()
     assert lines[-1] == result["verdict"] and lines[0] == result["header"]
@@ -121,10 +124,10 @@ def test_check_gives_the_coverage_sweeps_verdict(model_type, tmp_path):
         merged = want["rewrites"].get("summed_all_reduces_merged", 0)
         total = want["fused"] + merged + want["unfused_sites"]
         assert report["verdict"].startswith(f"{want['fused']} of {total} all-reduces fused"), report["verdict"]
-        assert [r["detail"] for r in report["rows"] if r["outcome"] == "merged"] == [
-            "summed with another: AR(a) + AR(b) -> AR(a + b)"] * merged
-        for reason in want["why_not"]:
-            assert reason in report["verdict"] and reason in result["verdict"]
+        assert [r["code"] for r in report["rows"] if Fate(r["fate"]) is Fate.MERGED] == [Why.MERGED.value] * merged
+        for row in report["rows"]:  # the verdicts name why each all-reduce left was not fused
+            if Fate(row["fate"]) not in (Fate.FUSED, Fate.MERGED):
+                assert row["detail"] in report["verdict"] and row["detail"] in result["verdict"], row
     cpu = cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime
     print(f"{MODELS[model_type][0]}: wall {wall:.1f} s, CPU {cpu:.1f} s; {result['verdict']}")
     assert cpu < CPU_SECONDS, f"{MODELS[model_type][0]}: {cpu:.0f} s of CPU (wall {wall:.0f} s)"
@@ -178,6 +181,55 @@ def test_a_config_json_that_is_not_json(capsys, monkeypatch, tmp_path):
     assert "config.json" in _bad(capsys, monkeypatch, str(tmp_path))
 
 
+def test_a_tp_size_the_model_cannot_take(capsys, monkeypatch):
+    """Llama's 32 heads over TP=3: one line before loading, not Dynamo's trace from compiling."""
+    err = _bad(capsys, monkeypatch, "llama", "--tp", "3")
+    assert err == ("arfusion check: llama: 32 attention heads (num_attention_heads) do not split over TP=3 "
+                   "(the TP plan shards them); --tp 2, 4, 8 or 16 would fit")
+    assert not dist.is_initialized()
+
+
+@pytest.mark.multiproc
+def test_a_tp_size_the_model_cannot_take_as_a_user_runs_it():
+    """The whole of stderr is the reason: no trace, and no torchao lines about its CUDA extensions."""
+    done = subprocess.run([sys.executable, "-m", "arfusion.cli", "check", "llama", "--tp", "3"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "arfusion check: llama: 32 attention heads (num_attention_heads) do not split over TP=3 "
+        "(the TP plan shards them); --tp 2, 4, 8 or 16 would fit"], done.stderr
+
+
+def test_the_released_models_split_over_tp_2_and_4():
+    from transformers import AutoConfig
+
+    for model_type, (_, values) in MODELS.items():
+        for tp in (2, 4):
+            check_tp_size(AutoConfig.for_model(model_type, **values), model_type, tp)
+
+
+@pytest.mark.parametrize("model_type, changes, tp, reason", [
+    ("qwen3_moe", {}, 8, "qwen3_moe: 4 key/value heads (num_key_value_heads) do not split over TP=8 "
+                         "(the TP plan shards them); --tp 2 or 4 would fit"),
+    ("qwen3_moe", {"moe_intermediate_size": 770}, 4,
+     "qwen3_moe: the experts' intermediate size, 770 (moe_intermediate_size), does not split over TP=4 "
+     "(the TP plan shards it); --tp 2 would fit"),
+    ("cohere", {}, 3, "cohere: 64 attention heads (num_attention_heads) do not split over TP=3 "
+                      "(the TP plan shards them); --tp 2, 4, 8 or 16 would fit"),
+    ("granite", {"num_key_value_heads": 1}, 2,
+     "granite: 1 key/value head (num_key_value_heads) does not split over TP=2 (the TP plan shards it)"),
+])
+def test_the_tp_size_check_names_the_first_width_that_does_not_split(model_type, changes, tp, reason):
+    """Heads and the experts' widths must split evenly; a dense MLP's width and the vocabulary
+    may not (transformers splits them unevenly, and that runs): those are not checked."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **{**MODELS[model_type][1], **changes})
+    with pytest.raises(CheckError) as raised:
+        check_tp_size(config, model_type, tp)
+    assert str(raised.value) == reason
+
+
 def test_bad_arguments(capsys, monkeypatch):
     assert "--tokens" in _bad(capsys, monkeypatch, "llama", "--tokens", "1,x")
     assert "--tp must be at least 2" in _bad(capsys, monkeypatch, "llama", "--tp", "1")
@@ -218,7 +270,7 @@ def test_fusion_report_on_a_torch_native_tp_model():
     assert not dist.is_initialized()
     assert report.verdict == "3 of 3 all-reduces fused", str(report)
     assert report.forms == {"allreduce_rmsnorm_fp32_weight": 1, "allreduce_add_rmsnorm_fp32_weight": 2}
-    assert [r.outcome for r in report.rows] == ["fused"] * 3 and report.graphs == 1
+    assert [r.fate for r in report.rows] == [Fate.FUSED] * 3 and report.graphs == 1
     report.assert_all_fused()
     assert_fused(report, all_reduces=3, fused=3, left=0)
     assert "verdict: 3 of 3 all-reduces fused" in str(report) and "allreduce_add_rmsnorm_fp32_weight" in str(report)
@@ -227,9 +279,9 @@ def test_fusion_report_on_a_torch_native_tp_model():
     assert log.level == level and torch._inductor.config.post_grad_custom_post_pass is slot
     with pytest.raises(AssertionError) as failure:
         assert_fused(report, fused=4, forms={"allreduce_add_rmsnorm": 3})
-    message = str(failure.value)
-    assert "fused: expected 4, got 3" in message and "forms: expected" in message
-    assert "verdict: 3 of 3 all-reduces fused" in message  # the report itself follows
+    text = str(failure.value)
+    assert "fused: expected 4, got 3" in text and "forms: expected" in text
+    assert "verdict: 3 of 3 all-reduces fused" in text  # the report itself follows
 
 
 @pytest.mark.slow
@@ -241,9 +293,12 @@ def test_fusion_report_names_merged_and_left_all_reduces():
         sp = fusion_report(_torch_tp_decoder(sequence_parallel=True), (IDS,))
     assert moe.verdict == "3 of 6 all-reduces fused, 3 merged into another", str(moe)
     assert moe.rewrites == {"summed_all_reduces_merged": 3, "gated_all_reduces_merged": 3}
+    merged = [r for r in moe.rows if r.fate is Fate.MERGED]  # the pass names the all-reduces it folded
+    assert len(merged) == 3 and all(r.code == Why.MERGED.value and r.all_reduce.startswith("all_reduce")
+                                    for r in merged)
     moe.assert_all_fused()
     assert sp.rows == [] and sp.verdict.startswith("no all-reduce to fuse: "), sp.verdict
-    assert "sequence parallel" in sp.verdict.lower()
+    assert sp.stats["why_not_codes"] == {Why.SEQUENCE_PARALLEL.value: 3}, sp.stats  # one per reduce-scatter
     with pytest.raises(AssertionError, match="no all-reduce to fuse"):
         sp.assert_all_fused()
 
@@ -265,18 +320,24 @@ def test_fusion_report_makes_a_fake_world_only_where_there_is_none():
     x, r = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
     report = fusion_report(_Block().to(torch.bfloat16), (x, r), world_size=4)
     assert not dist.is_initialized()
-    assert [(row.outcome, row.detail) for row in report.rows][0] == ("fused", "allreduce_add_rmsnorm_fp32_weight")
+    first, second = report.rows
+    assert (first.fate, first.code, first.detail) == (Fate.FUSED, None, "allreduce_add_rmsnorm_fp32_weight")
+    # The second is the block's output: no norm reads it; the torch backend's fast path takes it.
+    assert (second.fate, second.code) == (Fate.FAST_PATH, Why.GRAPH_OUTPUT.value)
     assert report.all_reduces == 2 and report.fused == 1
     assert report.verdict.startswith("1 of 2 all-reduces fused, 1 ")
     with pytest.raises(AssertionError, match="left \\(not fused, not merged\\): expected 0, got 1"):
         report.assert_all_fused()
 
 
-def test_rows_count_merges_the_pass_did_not_name():
-    decisions = [{"graph": "g1", "all_reduce": "all_reduce", "outcome": "fused", "detail": "allreduce_rmsnorm"},
-                 {"graph": "g2", "all_reduce": "all_reduce", "outcome": "nccl", "detail": "why"},
-                 {"graph": "g2", "all_reduce": "all_reduce_1", "outcome": "something_new", "detail": "x"}]
-    report = FusionReport(arfusion.testing.rows_from(decisions, {"summed_all_reduces_merged": 1}))
-    assert report.rows[:2] == [Row(1, "all_reduce", "fused", "allreduce_rmsnorm"), Row(2, "all_reduce", "nccl", "why")]
-    assert report.rows[3] == Row(0, "-", "merged", "summed with another: AR(a) + AR(b) -> AR(a + b)")
-    assert report.verdict == "1 of 4 all-reduces fused, 1 merged into another, 1 left: why, 1 something_new: x"
+def test_rows_from_decisions_number_the_graphs_and_keep_the_codes():
+    decisions = [{"graph": "g1", "all_reduce": "all_reduce", "fate": "fused", "code": None,
+                  "detail": "allreduce_rmsnorm"},
+                 {"graph": "g2", "all_reduce": "all_reduce", "fate": "nccl", "code": "no_norm", "detail": "why"},
+                 {"graph": "g2", "all_reduce": "all_reduce_1", "fate": "merged", "code": "merged", "detail": "into"}]
+    report = FusionReport(arfusion.testing.rows_from(decisions))
+    assert report.rows == [Row(1, "all_reduce", Fate.FUSED, None, "allreduce_rmsnorm"),
+                           Row(2, "all_reduce", Fate.NCCL, "no_norm", "why"),
+                           Row(2, "all_reduce_1", Fate.MERGED, "merged", "into")]
+    assert report.left_codes == {"no_norm": 1}
+    assert report.verdict == "1 of 3 all-reduces fused, 1 merged into another, 1 left: why"

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import arfusion
+from arfusion import runtime
 from arfusion.fusion_pass import ArFusionPass, ChainedPass
+
+from .models import TinyDecoder
 
 
 class UserPass(CustomGraphPass):
@@ -48,6 +53,32 @@ def test_unknown_key_and_bad_values_are_clear_errors():
         arfusion.PassConfig(backend="nccl")
     with pytest.raises(ValueError, match="unknown quant_forms"):
         arfusion.PassConfig(quant_forms=("fp8_static", "int4"))
+
+
+def test_a_config_from_python_enables_and_a_dict_keeps_its_flag(fake_pg, caplog, monkeypatch):
+    """`arfusion.enable(PassConfig(backend="torch"))` fuses, as `enable()` does; a vLLM-style dict
+    without the flag leaves fusion off, as vLLM does, and a config that leaves it off says so once."""
+    assert arfusion.PassConfig(backend="torch").enable_allreduce_fusion
+    assert not arfusion.PassConfig.from_dict({"pass_config": {"backend": "torch"}}).enable_allreduce_fusion
+    model, x = TinyDecoder(64, layers=1), torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    arfusion.enable(arfusion.PassConfig(backend="torch"))
+    try:
+        with torch.no_grad():
+            torch.compile(model)(x)
+        assert arfusion.stats()["fused_sites"] == 3
+        monkeypatch.setattr(runtime, "_logged", set())  # once per process: count this test's own
+        with caplog.at_level(logging.INFO, logger="arfusion"):
+            arfusion.enable({"pass_config": {"backend": "torch"}})
+            arfusion.enable({"pass_config": {"backend": "torch"}})
+            torch._dynamo.reset()
+            arfusion.reset_stats()
+            with torch.no_grad():
+                torch.compile(model)(x)
+        assert arfusion.stats()["fused_sites"] == 0
+        off = [r for r in caplog.records if "enable_allreduce_fusion=False" in r.getMessage()]
+        assert len(off) == 1, [r.getMessage() for r in caplog.records]
+    finally:
+        arfusion.disable()
 
 
 # ------------------------------------------------------------------ installing
@@ -137,6 +168,7 @@ def test_warm_fx_graph_cache_hit_still_fuses_and_reports_the_same_sites(fake_pg)
         assert counters["inductor"]["fxgraph_cache_hit"] == 1
         warm = arfusion.stats()
     assert cold["fused_sites"] == 5 and cold["graphs"] == 1
+    assert cold["unfused_sites"] == 0 and cold["why_not_codes"] == {}
     # The pass did not run (served from cache), yet the sites are counted and the fused op ran.
     assert warm["graphs"] == 0 and warm["pass_seconds"] == 0
     assert (warm["fused_sites"], warm["by_pattern"]) == (cold["fused_sites"], cold["by_pattern"])

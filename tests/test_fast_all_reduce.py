@@ -14,11 +14,12 @@ import torch.distributed as dist
 
 import arfusion
 from arfusion import execution
+from arfusion.decisions import Fate, Reason, Why
 from arfusion.fusion_pass import ArFusionPass, ChainedPass
 from arfusion.stats import decisions
 
 from .models import HyperConnections, LayerNormBlock, RowParallelThenNorm, unfused_all_reduces
-from .test_numerics_gloo import collect_from_ranks
+from .helpers import collect_from_ranks
 
 HIDDEN = 64
 FAST = torch.ops.arfusion.all_reduce.default
@@ -48,13 +49,17 @@ def compile_and_count(module, *args, dynamic=False, **config):
     return seen, arfusion.stats()
 
 
-@pytest.mark.parametrize("model, streams", [(LayerNormBlock, None), (HyperConnections, 4)])
-def test_all_reduces_that_are_not_sites_go_on_the_fast_path(fake_pg, model, streams):
+# The hyper-connection mix reaches the norm with per-token weights of another shape: OTHER_INPUTS.
+@pytest.mark.parametrize("model, streams, code", [(LayerNormBlock, None, Why.LAYERNORM),
+                                                  (HyperConnections, 4, Why.OTHER_INPUTS)])
+def test_all_reduces_that_are_not_sites_go_on_the_fast_path(fake_pg, model, streams, code):
     seen, stats = compile_and_count(model(HIDDEN), *inputs(streams=streams))
     assert seen == {"fast": 1, "functional": 0, "fused": 0, "left": 1}
     assert stats["fast_path_all_reduces"] == 1 and stats["fused_sites"] == 0 and stats["unfused_sites"] == 1
+    assert stats["why_not_codes"] == {code.value: 1}
     (decision,) = decisions()
-    assert decision["outcome"] == "fast_path" and decision["detail"].startswith("torch; not fused: ")
+    assert Fate(decision["fate"]) is Fate.FAST_PATH and decision["backend"] == "torch"
+    assert decision["code"] == code.value and decision["fast_path_code"] is None
 
 
 def test_a_site_still_fuses_and_takes_no_fast_path(fake_pg):
@@ -65,6 +70,8 @@ def test_a_site_still_fuses_and_takes_no_fast_path(fake_pg):
 def test_opting_out_and_the_cap_leave_nccl(fake_pg, caplog):
     seen, _ = compile_and_count(LayerNormBlock(HIDDEN), *inputs(), fast_all_reduce=False)
     assert seen["fast"] == 0 and seen["functional"] == 1
+    (decision,) = decisions()
+    assert Fate(decision["fate"]) is Fate.NCCL and decision["fast_path_code"] == Why.FAST_PATH_OFF.value
     torch._dynamo.reset()
     arfusion.reset_stats()
     nbytes = 2 * 8 * HIDDEN * 2
@@ -72,8 +79,11 @@ def test_opting_out_and_the_cap_leave_nccl(fake_pg, caplog):
         seen, stats = compile_and_count(LayerNormBlock(HIDDEN), *inputs(), plain_max_size_mb={2: (nbytes - 1) / 2**20})
     assert seen["fast"] == 0 and seen["functional"] == 1 and stats["fast_path_all_reduces"] == 0
     (decision,) = decisions()
-    assert decision["outcome"] == "nccl" and f"{nbytes} bytes per rank > cap" in decision["detail"]
-    assert "not on the fast path either" in caplog.text
+    assert Fate(decision["fate"]) is Fate.NCCL and decision["code"] == Why.LAYERNORM.value
+    assert decision["fast_path_code"] == Why.SIZE_CAP.value
+    assert str(nbytes) in decision["fast_path_reason"] and "plain_max_size_mb" in decision["fast_path_reason"]
+    not_fast = decision["decision"].not_fast  # logged, for people, once
+    assert [r.levelno for r in caplog.records if not_fast in r.args] == [logging.INFO]
     torch._dynamo.reset()
     seen, _ = compile_and_count(LayerNormBlock(HIDDEN), *inputs(), plain_max_size_mb={2: nbytes / 2**20})
     assert seen["fast"] == 1  # the cap is inclusive
@@ -90,17 +100,17 @@ class _Declines:
     name = "declining"
 
     def plain_why_not(self, call, max_bytes_override=None):
-        return "declined for the test"
+        return Reason(Why.RUNTIME, "declined for the test")
 
 
 def test_a_call_the_backend_declines_at_run_time_still_sums(world_of_one, monkeypatch):
     x = torch.randn(3, 5, 16)
     monkeypatch.setattr(execution, "resolve", lambda backend, device: (_Declines(), ""))
-    got = torch.ops.arfusion.all_reduce(x, world_of_one, "torch", -1)
+    got = torch.ops.arfusion.all_reduce(x=x, group_name=world_of_one, backend="torch")
     assert torch.equal(got, x) and got.data_ptr() != x.data_ptr()  # a world of one: the sum is x
     assert arfusion.stats()["dispatch"] == {"all-reduce": 1}  # CPU: the functional all-reduce
     monkeypatch.setattr(execution, "current_stream_pays", lambda device: True)  # as on a GPU
-    got = torch.ops.arfusion.all_reduce(x.transpose(0, 1), world_of_one, "torch", -1)
+    got = torch.ops.arfusion.all_reduce(x=x.transpose(0, 1), group_name=world_of_one, backend="torch")
     assert torch.equal(got, x.transpose(0, 1)) and got.is_contiguous()
     assert arfusion.stats()["dispatch"] == {"all-reduce": 1, "nccl all-reduce": 1}
 

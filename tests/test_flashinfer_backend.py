@@ -1,4 +1,5 @@
-"""FlashInfer backend logic on CPU, with a stand-in for flashinfer (no GPU, no FlashInfer).
+"""FlashInfer backend logic on CPU, with a stand-in for flashinfer (tests/fake_flashinfer.py; no
+GPU, no FlashInfer).
 
 Covers: dispatch-table lookups at their boundaries, the tuned cache, every guard, the
 crossover derivation of `arfusion tune`, and (in two gloo processes) the workspace lifecycle:
@@ -8,10 +9,8 @@ the arguments handed to FlashInfer (backend "trtllm" only, zero residual, Gemma 
 
 from __future__ import annotations
 
-import importlib.machinery
 import json
 import sys
-import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,179 +22,15 @@ import torch.multiprocessing as mp
 from arfusion import core, reference, runtime, tuning
 from arfusion.backends import flashinfer as fi
 from arfusion.backends import flashinfer_dispatch as dispatch
-from arfusion.core import Call, Site
+from arfusion.core import Call, Form
+from arfusion.decisions import Why
+
+from .fake_flashinfer import B200, H200, install_fake_flashinfer, remove_fake_flashinfer
+from .fake_flashinfer import FakeWorkspace  # noqa: F401  (tests/test_moe_combine.py still reads it from here)
 
 MiB = dispatch.MiB
-H200 = fi.DeviceFacts((9, 0), "NVIDIA H200", "GPU-fake-0")
 CUDA = torch.device("cuda", 0)
-PLAIN = Site(residual=True, norm="rms")
-
-
-# ----------------------------------------------------------------- stand-in for flashinfer
-
-
-class FakeWorkspace:
-    def __init__(self, world_size, rank, max_token_num, hidden_dim, dtype, group):
-        self.world_size, self.rank, self.group = world_size, rank, group
-        self.max_token_num, self.hidden_dim, self.dtype = max_token_num, hidden_dim, dtype
-        self.destroyed = False
-
-    def is_buffer_size_sufficient(self, tp_size, num_tokens, hidden_dim, dtype):
-        return (tp_size == self.world_size and num_tokens * hidden_dim <= self.max_token_num * self.hidden_dim
-                and (dtype == torch.float32) == (self.dtype == torch.float32))
-
-    def destroy(self):
-        self.destroyed = True
-
-
-def install_fake_flashinfer():
-    """Register `flashinfer`, `flashinfer.comm`, `flashinfer.comm.trtllm_ar`; return the call log
-    (its "fail_build" / "fail_create" entries inject failures)."""
-    calls = {"create": [], "fusion": [], "build": 0, "fail_build": False, "fail_create": False}
-
-    def module(name):
-        m = types.ModuleType(name)
-        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
-        sys.modules[name] = m
-        return m
-
-    root, comm, trtllm = module("flashinfer"), module("flashinfer.comm"), module("flashinfer.comm.trtllm_ar")
-    mnnvl = module("flashinfer.comm.mnnvl")
-    root.comm, comm.trtllm_ar, comm.mnnvl = comm, trtllm, mnnvl
-
-    class TorchDistBackend:  # FlashInfer's handle-exchange backend: object collectives over the group
-        def __init__(self, group=None):
-            self._group = group
-
-        def allgather(self, data):
-            out = [None] * dist.get_world_size(self._group)
-            dist.all_gather_object(out, data, group=self._group)
-            return out
-
-        def bcast(self, data, root):
-            box = [data]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, root), group=self._group)
-            return box[0]
-
-        def barrier(self):
-            dist.barrier(group=self._group)
-
-    mnnvl.TorchDistBackend = TorchDistBackend
-
-    def get_trtllm_comm_module():
-        calls["build"] += 1
-        if calls["fail_build"]:
-            raise RuntimeError("nvcc exploded")
-        return object()
-
-    def create_allreduce_fusion_workspace(**kw):
-        calls["create"].append({k: (v.group_name if k == "group" else v) for k, v in kw.items()})
-        if calls["fail_create"]:
-            raise RuntimeError("cuMemCreate failed")
-        # As the real one: the buffers' handles are exchanged over the group (the peers of a rank
-        # that failed above wait here).
-        (kw.get("comm_backend") or TorchDistBackend(kw["group"])).allgather(("handle", kw["rank"]))
-        return FakeWorkspace(kw["world_size"], kw["rank"], kw["max_token_num"], kw["hidden_dim"],
-                             kw["dtype"], kw["group"])
-
-    def allreduce_fusion(*, input, workspace, pattern, use_oneshot, fp32_acc, launch_with_pdl,
-                         trigger_completion_at_end, residual_in=None, residual_out=None, norm_out=None,
-                         rms_gamma=None, rms_eps=1e-6, weight_bias=0.0, quant_out=None, scale_out=None,
-                         scale_factor=None, output=None, **rest):
-        if pattern == 0:  # kAllReduce: writes `output` only, reads nothing else
-            calls["fusion"].append(dict(pattern=0, use_oneshot=use_oneshot, fp32_acc=fp32_acc, tokens=input.shape[0],
-                                        trigger_at_end=trigger_completion_at_end, output=output is not None,
-                                        residual_in=residual_in is not None, rms_gamma=rms_gamma is not None))
-            assert input.dim() == 2 and input.is_contiguous() and output.shape == input.shape
-            assert isinstance(use_oneshot, bool) and (use_oneshot or input.shape[0] > workspace.world_size)
-            assert workspace.is_buffer_size_sufficient(workspace.world_size, *input.shape, input.dtype)
-            summed = input.float()
-            dist.all_reduce(summed, group=workspace.group)
-            output.copy_(summed.to(input.dtype))
-            return output
-        calls["fusion"].append(dict(pattern=pattern, use_oneshot=use_oneshot, fp32_acc=fp32_acc,
-                                    weight_bias=weight_bias, rms_eps=rms_eps, pdl=launch_with_pdl,
-                                    trigger_at_end=trigger_completion_at_end, tokens=input.shape[0],
-                                    residual_all_zero=bool((residual_in == 0).all()),
-                                    norm_out=norm_out is not None, quant_out=quant_out is not None,
-                                    scale_out=None if scale_out is None else (list(scale_out.shape), str(scale_out.dtype)),
-                                    scale_factor=None if scale_factor is None else dict(
-                                        type=type(scale_factor).__name__, dtype=str(scale_factor.dtype),
-                                        shape=list(scale_factor.shape), device=str(scale_factor.device),
-                                        same_device=scale_factor.device == input.device,
-                                        value=float(scale_factor.flatten()[0])), **rest))
-        assert input.dim() == 2 and input.is_contiguous() and residual_in is not None
-        assert isinstance(use_oneshot, bool) and (use_oneshot or input.shape[0] > workspace.world_size)
-        assert workspace.is_buffer_size_sufficient(workspace.world_size, *input.shape, input.dtype)
-        assert rms_gamma.dtype == input.dtype
-        # What each pattern reads and writes (FlashInfer 0.7.2.post1, FIELD_NOTES §3.1).
-        writes_norm, quant_kind = FAKE_PATTERNS[pattern]
-        assert (norm_out is not None) == writes_norm
-        assert (quant_out is not None) == (quant_kind is not None)
-        assert (scale_factor is not None) == (quant_kind in ("static", "nvfp4"))
-        assert (scale_out is not None) == (quant_kind in ("dynamic", "nvfp4"))
-        assert (rest.get("layout_code") is not None) == (quant_kind == "nvfp4")
-        summed = input.float()
-        dist.all_reduce(summed, group=workspace.group)
-        h = (summed + residual_in.float()).to(input.dtype)
-        residual_out.copy_(h)
-        normed = (reference.rms_normalize(h, rms_eps) * (rms_gamma.float() + weight_bias)).to(input.dtype)
-        if norm_out is not None:
-            norm_out.copy_(normed)
-        if quant_kind == "static":
-            assert quant_out.dtype == torch.float8_e4m3fn and quant_out.shape == input.shape
-            quant_out.copy_((normed.float() * (1 / scale_factor)).clamp(-448, 448).to(torch.float8_e4m3fn))
-        elif quant_kind == "dynamic":
-            assert quant_out.dtype == torch.float8_e4m3fn and scale_out.dtype == torch.float32
-            assert scale_out.shape == (input.shape[0], 1) and scale_out.is_contiguous()
-            scale = torch.maximum(normed.float().abs().amax(-1, keepdim=True) / 448,
-                                  torch.tensor(1 / (512 * 448)))
-            scale_out.copy_(scale)
-            quant_out.copy_((normed.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn))
-        elif quant_kind == "nvfp4":
-            fake_fp4_kernel(normed, quant_out, scale_out, scale_factor, rest["layout_code"])
-        return norm_out if norm_out is not None else quant_out
-
-    comm.AllReduceFusionPattern = types.SimpleNamespace(
-        kAllReduce=0, kARResidualRMSNorm=1, kARResidualRMSNormFP8Quant=2, kARResidualRMSNormFP4Quant=3,
-        kARResidualRMSNormOutFP8Quant=4, kARResidualRMSNormOutFP4Quant=5,
-        kARResidualRMSNormPerTokenGroupFP8PackedQuant=8, kARResidualRMSNormOutPerTokenGroupFP8PackedQuant=9,
-        kARResidualRMSNormDynamicFP8Quant=10, kARResidualRMSNormOutDynamicFP8Quant=11)
-    comm.create_allreduce_fusion_workspace = create_allreduce_fusion_workspace
-    comm.allreduce_fusion = allreduce_fusion
-    trtllm.get_trtllm_comm_module = get_trtllm_comm_module
-    return calls
-
-
-def fake_fp4_kernel(normed, quant_out, scale_out, scale_factor, layout_code):
-    """Codes 3/5 as trtllm_allreduce_fusion.cuh (0.7.2.post1) computes them on SM100: the block
-    SF is e4m3(scale_factor * amax / 6) and values are scaled by scale_factor / SF, i.e.
-    scale_factor is the *quantizing* global scale (the FP8 codes invert theirs instead).
-    LINEAR layout (2): SF row-major [T, H/16], one byte each."""
-    from arfusion import quant
-
-    tokens, hidden = normed.shape
-    assert layout_code == 2
-    assert quant_out.dtype == torch.uint8 and tuple(quant_out.shape) == (tokens, hidden // 2)
-    assert scale_out.dtype == torch.float8_e4m3fn and tuple(scale_out.shape) == (tokens, hidden // 16)
-    assert scale_factor.dtype == torch.float32 and scale_factor.numel() == 1
-    blocks = normed.float().reshape(tokens, hidden // 16, 16)
-    sf = (scale_factor * (blocks.abs().amax(-1) * (1 / 6))).to(torch.float8_e4m3fn)
-    output_scale = torch.where(sf.float() != 0, scale_factor / sf.float(), torch.zeros(()))
-    codes = quant.e2m1_codes((blocks * output_scale.unsqueeze(-1)).reshape(tokens, hidden))
-    quant_out.copy_(quant.pack_nibbles(codes))
-    scale_out.copy_(sf)
-
-
-# pattern code -> (writes norm_out, quant kind) for the codes arfusion may call
-FAKE_PATTERNS = {1: (True, None), 2: (False, "static"), 3: (False, "nvfp4"), 4: (True, "static"),
-                 5: (True, "nvfp4"), 10: (False, "dynamic"), 11: (True, "dynamic")}
-B200 = fi.DeviceFacts((10, 0), "NVIDIA B200", "GPU-fake-0")
-
-
-def remove_fake_flashinfer():
-    for name in ("flashinfer.comm.trtllm_ar", "flashinfer.comm.mnnvl", "flashinfer.comm", "flashinfer"):
-        sys.modules.pop(name, None)
+PLAIN = Form(residual=True, norm="rms")
 
 
 @pytest.fixture
@@ -214,7 +49,7 @@ def backend(monkeypatch, tmp_path):
 
 def call(tokens, hidden=4096, world=4, dtype=torch.bfloat16, weight_dtype=None, site=PLAIN, device=CUDA,
          oneshot=None):
-    return Call(site=site, tokens=tokens, hidden=hidden, dtype=dtype, weight_dtype=weight_dtype or dtype,
+    return Call(form=site, tokens=tokens, hidden=hidden, dtype=dtype, weight_dtype=weight_dtype or dtype,
                 world_size=world, device=device, group_name="tp", oneshot=oneshot)
 
 
@@ -225,7 +60,7 @@ def call(tokens, hidden=4096, world=4, dtype=torch.bfloat16, weight_dtype=None, 
                                                      (4, 8192, 512), (2, 8192, 2048)])
 def test_largest_fused_size_is_inclusive(backend, world, hidden, last_fused):
     assert backend.why_not(call(last_fused, hidden, world)) is None
-    assert "bytes per rank >" in backend.why_not(call(last_fused + 1, hidden, world))
+    assert backend.why_not(call(last_fused + 1, hidden, world)).code is Why.SIZE_CAP
 
 
 @pytest.mark.parametrize("world,hidden,last_oneshot", [(2, 4096, 4096), (4, 4096, 256), (8, 8192, 32)])
@@ -248,18 +83,18 @@ def test_both_16bit_dtypes_share_the_table_and_sm100_has_its_own(backend, monkey
     monkeypatch.setattr(fi, "device_facts", lambda index: fi.DeviceFacts((10, 0), "NVIDIA B200", "u"))
     fi._environment_problem.cache_clear()
     assert backend.why_not(call(4096, world=4)) is None  # 32 MiB on SM100 at world 4
-    assert "> cap" in backend.why_not(call(4097, world=4))
+    assert backend.why_not(call(4097, world=4)).code is Why.SIZE_CAP
 
 
 def test_world_16_needs_a_tuned_entry(backend):
-    assert "no dispatch entry" in backend.why_not(call(8, world=16))
+    assert backend.why_not(call(8, world=16)).code is Why.NO_TABLE
     assert backend.why_not(call(8, world=16), max_bytes_override=MiB) is None  # user's own cap
 
 
 def test_user_cap_overrides_the_table_but_not_the_hard_limit(backend):
     assert backend.why_not(call(4096, world=4), max_bytes_override=32 * MiB) is None
-    assert "> cap" in backend.why_not(call(2, world=2), max_bytes_override=0)
-    assert "largest FlashInfer workspace" in backend.why_not(call(8192, 8192, 2), max_bytes_override=1 << 40)
+    assert backend.why_not(call(2, world=2), max_bytes_override=0).code is Why.SIZE_CAP
+    assert backend.why_not(call(8192, 8192, 2), max_bytes_override=1 << 40).code is Why.SIZE_CAP
 
 
 def test_unknown_token_count_is_left_to_run_time(backend):
@@ -271,7 +106,7 @@ def test_tuned_cache_wins_and_changes_the_fingerprint(backend):
     key = dispatch.tuned_key("NVIDIA H200", 4, 4096, torch.bfloat16)
     tuning.save_entry(key, {"max_fused_tokens": 128, "oneshot_max_tokens": 32}, dispatch.cache_path())
     dispatch.forget_cache()
-    assert backend.why_not(call(128)) is None and "> cap" in backend.why_not(call(129))
+    assert backend.why_not(call(128)) is None and backend.why_not(call(129)).code is Why.SIZE_CAP
     assert backend.use_oneshot(call(32)) and not backend.use_oneshot(call(33))
     assert backend.why_not(call(256, hidden=2048)) is None  # other hidden: seed table (1 MiB)
     assert backend.fingerprint() != before and dispatch.cache_hash()
@@ -289,37 +124,37 @@ def test_unreadable_or_foreign_cache_is_ignored(backend):
 # ----------------------------------------------------------------- guards
 
 
-@pytest.mark.parametrize("change,needle", [
-    (dict(weight_dtype=torch.float32), "weight dtype"),
-    (dict(hidden=4100), "multiple of 8"),
-    (dict(world=3), "world size 3"),
-    (dict(world=6), "world size 6"),
-    (dict(world=1), "world size 1"),
-    (dict(dtype=torch.float32), "not supported"),
-    (dict(device=torch.device("cpu")), "device cpu"),
+@pytest.mark.parametrize("change,code", [
+    (dict(weight_dtype=torch.float32), Why.WEIGHT_DTYPE),
+    (dict(hidden=4100), Why.SHAPE),
+    (dict(world=3), Why.WORLD_SIZE),
+    (dict(world=6), Why.WORLD_SIZE),
+    (dict(world=1), Why.WORLD_SIZE),
+    (dict(dtype=torch.float32), Why.DTYPE),
+    (dict(device=torch.device("cpu")), Why.DEVICE),
 ])
-def test_guards_decline_with_a_reason(backend, change, needle):
-    assert needle in backend.why_not(call(8, **change))
+def test_guards_decline_with_a_reason(backend, change, code):
+    assert backend.why_not(call(8, **change)).code is code
 
 
 def test_flashinfer_missing(backend):
     remove_fake_flashinfer()
-    assert "not installed" in backend.why_not(call(8))
+    assert backend.why_not(call(8)).code is Why.NO_BACKEND
 
 
 def test_unsupported_sm(backend, monkeypatch):
     monkeypatch.setattr(fi, "device_facts", lambda index: fi.DeviceFacts((8, 0), "NVIDIA A100", "u"))
-    assert "not supported" in backend.why_not(call(8))
+    assert backend.why_not(call(8)).code is Why.NO_BACKEND
 
 
 def test_rocm_build_is_not_ours(backend, monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert "NVIDIA" in backend.why_not(call(8))
+    assert backend.why_not(call(8)).code is Why.NO_BACKEND
 
 
 def test_capture_without_workspace_declines(backend, monkeypatch):
     monkeypatch.setattr(runtime, "capturing", lambda: True)
-    assert "capture" in backend.prepare(call(8))
+    assert backend.prepare(call(8)).code is Why.RUNTIME
 
 
 def test_long_lived_buffers_are_made_on_a_helper_thread():
@@ -405,20 +240,21 @@ def _worker(rank, world, init_file, out_dir):
         result = results[name] = {"errors": []}
         small = 1024 * 64 * 2  # a user cap of 1024 tokens at hidden 64: the first workspace's size
 
-        def check(tokens, residual=True, norm="rms", max_bytes=small if name == "ok" else -1, oneshot=None):
+        def check(tokens, residual=True, norm="rms", max_bytes=small if name == "ok" else None, oneshot=None):
             torch.manual_seed(100 + rank + tokens)
             x = torch.randn(tokens, 64, dtype=torch.bfloat16)
             res = torch.randn(tokens, 64, dtype=torch.bfloat16) if residual else None
             w = (0.1 * torch.randn(64)).to(torch.bfloat16)
             if oneshot is None:
                 got = torch.ops.arfusion.fused_allreduce_rmsnorm(
-                    x, res, w, 1e-6, None, group.group_name, norm, "none", None, True, "flashinfer", max_bytes)
+                    x=x, residual=res, weight=w, eps=1e-6, eps_tensor=None, group_name=group.group_name, norm=norm,
+                    quant="none", quant_scale=None, emit_norm=True, backend="flashinfer", max_bytes=max_bytes)
             else:  # the kernel forced one way, as tuning and the benchmarks call it (no op around it)
-                forced = Call.of_tensors(Site(residual=residual, norm=norm), x, w, 2, group.group_name,
+                forced = Call.of_tensors(Form(residual=residual, norm=norm), x, w, 2, group.group_name,
                                          oneshot=oneshot)
                 assert backend.why_not(forced, max_bytes) is None and backend.prepare(forced, max_bytes) is None
                 got = backend.run(forced, x, res, w, 1e-6, None)
-            want = reference.unfused(x, res, w, 1e-6, group.group_name, Site(residual=residual, norm=norm))
+            want = reference.unfused(x, res, w, 1e-6, group.group_name, Form(residual=residual, norm=norm))
             for g, r in zip(got, want):
                 if not torch.allclose(g.float(), r.float(), atol=0.05, rtol=0.02):
                     result["errors"].append(f"T={tokens}: max diff {(g.float() - r.float()).abs().max().item()}")
@@ -428,7 +264,7 @@ def _worker(rank, world, init_file, out_dir):
             for shape in ((2, 5, 64), (40, 64)):  # the plain fast-path all-reduce, on the same workspace
                 torch.manual_seed(7 + rank)
                 x = torch.randn(*shape, dtype=torch.bfloat16)
-                got = torch.ops.arfusion.all_reduce(x, group.group_name, "flashinfer", -1)
+                got = torch.ops.arfusion.all_reduce(x=x, group_name=group.group_name, backend="flashinfer")
                 want = reference.all_reduce_sum(x, group.group_name)
                 if got.shape != x.shape or not torch.equal(got, want):
                     result["errors"].append(f"plain {shape}: max diff {(got.float() - want.float()).abs().max()}")
@@ -438,9 +274,14 @@ def _worker(rank, world, init_file, out_dir):
             check(100, oneshot=False)  # two-shot
             check(4096, max_bytes=4096 * 64 * 2)  # outgrows the workspace: a second, larger one
             result["retired"] = len(backend._groups[group.group_name].retired)
+        # What the backend now says to a call on this group (no collective: decided already).
+        later = Call.of_tensors(PLAIN, torch.empty(8, 64, dtype=torch.bfloat16), torch.empty(64, dtype=torch.bfloat16),
+                                2, group.group_name)
+        declined = backend.prepare(later)
         result.update(creates=list(calls["create"]), fusion=list(calls["fusion"]),
                       dispatch=arfusion.stats()["dispatch"], group=group.group_name,
-                      failed=backend._groups.current(group.group_name).failed)
+                      failed=backend._groups.current(group.group_name).failed,
+                      declined=declined and declined.code.value, declined_message=declined and declined.message)
 
     scenario("ok", dist.group.WORLD)
     results["quant"] = quant_scenario(calls, dist.group.WORLD.group_name, rank)
@@ -453,7 +294,7 @@ def _worker(rank, world, init_file, out_dir):
     dist.destroy_process_group()
 
 
-QUANT_SITES = [Site(residual=r, norm=n, quant=q, emit_norm=e)
+QUANT_SITES = [Form(residual=r, norm=n, quant=q, emit_norm=e)
                for q in ("fp8_static", "fp8_dynamic", "fp8_group", "nvfp4") for r in (True, False)
                for e in (False, True) for n in (("rms", "gemma_rms") if r and e else ("rms",))]
 NVFP4_GLOBAL_SCALE = 0.004  # torchao's per-tensor scale (dequantizing side)
@@ -471,7 +312,7 @@ def quant_scenario(calls, group_name, rank):
     out = {}
     # NVFP4 runs on a pretend B200 with CUDA 12.8, and once more on the H200 (SM90: declined).
     sites = [(site, "sm100" if site.quant == "nvfp4" else "sm90") for site in QUANT_SITES]
-    sites.append((Site(residual=True, norm="rms", quant="nvfp4", emit_norm=False), "sm90"))
+    sites.append((Form(residual=True, norm="rms", quant="nvfp4", emit_norm=False), "sm90"))
     try:
         for site, gpu in sites:
             if gpu == "sm100":
@@ -487,8 +328,8 @@ def quant_scenario(calls, group_name, rank):
             w = (1 + 0.1 * torch.randn(256)).to(torch.bfloat16)
             scale = {"fp8_static": torch.tensor(0.02), "nvfp4": torch.tensor(NVFP4_GLOBAL_SCALE)}.get(site.quant)
             got = torch.ops.arfusion.fused_allreduce_rmsnorm(
-                x, res, w, 1e-6, None, group_name, site.norm, site.quant, scale, site.emit_norm,
-                "flashinfer", -1)
+                x=x, residual=res, weight=w, eps=1e-6, eps_tensor=None, group_name=group_name, norm=site.norm,
+                quant=site.quant, quant_scale=scale, emit_norm=site.emit_norm, backend="flashinfer")
             want = reference.unfused(x, res, w, 1e-6, group_name, site, scale)
             named_got, named_want = dict(zip(site.outputs(), got)), dict(zip(site.outputs(), want))
             errors = []
@@ -532,7 +373,7 @@ def two_rank_results(tmp_path_factory):
 def test_workspace_created_once_per_group_reused_and_grown(two_rank_results):
     for rank, results in enumerate(two_rank_results):
         result = results["ok"]
-        assert result["errors"] == []
+        assert result["errors"] == [] and result["declined"] is None and result["failed"] is None
         creates = result["creates"]
         assert [c["backend"] for c in creates] == ["trtllm", "trtllm"]  # never "auto" / "mnnvl"
         assert all(c["group"] == "0" and c["world_size"] == 2 and c["rank"] == rank
@@ -562,12 +403,14 @@ def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
         assert result["dispatch"] == {"fallback": 1}
         assert result["fusion"] == []
         assert result["group"] != "0"
+        # Every later call on the group is declined at run time with the recorded failure, no retry.
+        assert result["declined"] == Why.RUNTIME.value and result["declined_message"] == result["failed"]
     if name in ("fail_build", "low_memory"):
         assert all(r["creates"] == [] for r in results)  # agreement came before creation
     else:  # rank 1 raised inside FlashInfer's creation; rank 0, in the handle exchange, gave up on it
         assert len(results[0]["creates"]) == 1
         assert "did not reach FlashInfer's handle exchange" in results[0]["failed"], results[0]["failed"]
-        assert "cuMemCreate failed" in results[1]["failed"]
+        assert "cuMemCreate" in results[1]["failed"]  # the library's own error, passed on
     if name == "low_memory":
         assert "MiB free on this rank's GPU" in results[1]["failed"], results[1]["failed"]
         assert results[0]["failed"] == "FlashInfer kernels or memory unavailable on another rank of the group"
@@ -626,18 +469,18 @@ def test_quant_sites_run_the_right_flashinfer_pattern(two_rank_results):
 
 @pytest.mark.parametrize("quant", ["fp8_static", "fp8_dynamic"])
 def test_quant_sites_share_the_unquantized_thresholds(backend, quant):
-    # Measured on H200 (FIELD_NOTES §7): the FP8 rows cross over where the plain rows do.
+    # Measured on H200 (docs/benchmarks.md, "FP8 quant rows"): the FP8 rows cross over where the plain rows do.
     for emit_norm in (False, True):
-        site = Site(residual=True, norm="rms", quant=quant, emit_norm=emit_norm)
+        site = Form(residual=True, norm="rms", quant=quant, emit_norm=emit_norm)
         assert backend.why_not(call(1024, site=site)) is None
-        assert "> cap" in backend.why_not(call(1025, site=site))
+        assert backend.why_not(call(1025, site=site)).code is Why.SIZE_CAP
         assert backend.use_oneshot(call(256, site=site)) and not backend.use_oneshot(call(257, site=site))
 
 
 def test_per_group_fp8_has_its_own_cap_at_world_4(backend):
-    group = Site(residual=True, norm="rms", quant="fp8_group")
+    group = Form(residual=True, norm="rms", quant="fp8_group")
     assert backend.why_not(call(512, site=group)) is None  # 4 MiB, measured 1.04x
-    assert "per-group FP8 cap" in backend.why_not(call(513, site=group))
+    assert backend.why_not(call(513, site=group)).code is Why.SIZE_CAP
     assert backend.why_not(call(4096, world=2, site=group)) is None  # world 2: the table's 32 MiB
     assert backend.why_not(call(1024, site=group), max_bytes_override=8 * MiB) is None  # user's cap wins
 
@@ -647,27 +490,27 @@ def test_a_scaled_input_has_its_own_cap(backend, world, last_fused):
     """f * AR(x) runs one more pass over x where the kernel runs (SCALED_INPUT_MAX_MIB)."""
     scaled = replace(call(last_fused, world=world), input_scaled=True)
     assert backend.why_not(scaled) is None
-    assert "scaled-input cap" in backend.why_not(replace(scaled, tokens=last_fused + 1))
+    assert backend.why_not(replace(scaled, tokens=last_fused + 1)).code is Why.SIZE_CAP
     assert backend.why_not(replace(scaled, tokens=last_fused + 1, input_scaled=False)) is None  # plain table
     assert backend.why_not(replace(scaled, tokens=4 * last_fused), max_bytes_override=64 * MiB) is None  # user's cap
 
 
 def test_quant_guards(backend):
-    group = Site(residual=True, norm="rms", quant="fp8_group")
-    assert "group size 128" in backend.why_not(call(8, hidden=4096 + 64, site=group))
+    group = Form(residual=True, norm="rms", quant="fp8_group")
+    assert backend.why_not(call(8, hidden=4096 + 64, site=group)).code is Why.SHAPE
 
 
 @pytest.mark.parametrize("emit_norm", [False, True])
 def test_nvfp4_goes_to_flashinfer_only_on_sm100_with_cuda_12_8(backend, monkeypatch, emit_norm):
-    fp4 = Site(residual=True, norm="rms", quant="nvfp4", emit_norm=emit_norm)
+    fp4 = Form(residual=True, norm="rms", quant="nvfp4", emit_norm=emit_norm)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    assert "needs SM100+" in backend.why_not(call(8, site=fp4))  # the H200: it would write zeros
+    assert backend.why_not(call(8, site=fp4)).code is Why.GPU_ARCH  # the H200: it would write zeros
     monkeypatch.setattr(fi, "device_facts", lambda index: B200)
     assert backend.why_not(call(8, site=fp4)) is None
-    assert "not a multiple of the NVFP4 block" in backend.why_not(call(8, hidden=4096 + 8, site=fp4))
-    assert "not supported" in backend.why_not(call(8, dtype=torch.float32, site=fp4))
+    assert backend.why_not(call(8, hidden=4096 + 8, site=fp4)).code is Why.SHAPE
+    assert backend.why_not(call(8, dtype=torch.float32, site=fp4)).code is Why.DTYPE
     monkeypatch.setattr(torch.version, "cuda", "12.6")
-    assert "needs CUDA 12.8+" in backend.why_not(call(8, site=fp4))
+    assert backend.why_not(call(8, site=fp4)).code is Why.GPU_ARCH
 
 
 # ----------------------------------------------------------------- the command line
@@ -701,19 +544,18 @@ PLAIN_ALL_REDUCE = core.PLAIN
 def test_plain_all_reduce_cap_is_inclusive(backend, world, hidden, last_plain):
     assert backend.plain_why_not(call(last_plain, hidden, world, site=PLAIN_ALL_REDUCE)) is None
     reason = backend.plain_why_not(call(last_plain + 1, hidden, world, site=PLAIN_ALL_REDUCE))
-    assert "> cap" in reason and "(plain)" in reason
+    assert reason.code is Why.SIZE_CAP
 
 
 def test_plain_all_reduce_guards(backend):
     plain = dict(site=PLAIN_ALL_REDUCE)
-    assert "world size" in backend.plain_why_not(call(8, world=3, **plain))
-    assert "no plain all-reduce entry" in backend.plain_why_not(call(8, world=16, **plain))
-    assert "dtype" in backend.plain_why_not(call(8, dtype=torch.float32, **plain))
-    assert "multiple of 8" in backend.plain_why_not(call(8, hidden=4100, **plain))
+    assert backend.plain_why_not(call(8, world=3, **plain)).code is Why.WORLD_SIZE
+    assert backend.plain_why_not(call(8, world=16, **plain)).code is Why.NO_TABLE
+    assert backend.plain_why_not(call(8, dtype=torch.float32, **plain)).code is Why.DTYPE
+    assert backend.plain_why_not(call(8, hidden=4100, **plain)).code is Why.SHAPE
     assert backend.plain_why_not(call(None, **plain)) is None  # symbolic tokens: decided per call
     assert backend.plain_why_not(call(4096, world=2, **plain), 64 * MiB) is None  # the user's cap wins...
-    assert "HARD" not in (backend.plain_why_not(call(16384, hidden=8192, world=2, **plain), 1 << 40) or "HARD")
-    assert "> cap" in backend.plain_why_not(call(16384, hidden=8192, world=2, **plain), 1 << 40)  # ...up to 64 MiB
+    assert backend.plain_why_not(call(16384, hidden=8192, world=2, **plain), 1 << 40).code is Why.SIZE_CAP  # ...up to 64 MiB
 
 
 def test_the_plain_table_is_part_of_what_ranks_compare():

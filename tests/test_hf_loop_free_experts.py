@@ -18,11 +18,10 @@ import torch
 pytest.importorskip("transformers")
 
 from arfusion import hf  # noqa: E402
+from arfusion.hf.configs import tiny_config  # noqa: E402
 
 from .models import experts_sum_float64  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from hf_tiny_configs import tiny_config  # noqa: E402
 
 TOKENS = 24
 

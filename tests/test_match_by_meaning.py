@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import arfusion
-from arfusion.fusion_pass import ALL_REDUCE, FUSED_OP, ArFusionPass, ChainedPass
+from arfusion.edits import FUSED_OP
+from arfusion.fusion_pass import ALL_REDUCE, ArFusionPass, ChainedPass
 
 from .models import op_arguments, unfused_all_reduces
-from .test_numerics_gloo import assert_close
+from .helpers import assert_close
 
 H = 256
 FP8 = torch.float8_e4m3fn

@@ -16,7 +16,7 @@ from torch import nn
 import arfusion
 
 from .test_match_by_meaning import NORMS, assert_matches_eager, run
-from .test_numerics_gloo import assert_close, compiled_vs_eager, run_workers
+from .helpers import assert_close, compiled_vs_eager, run_workers
 
 H = 256
 E = 4

@@ -21,7 +21,7 @@ from arfusion.graph_utils import ALL_REDUCE
 
 from .models import unfused_all_reduces
 from .test_match_by_meaning import NORMS
-from .test_numerics_gloo import assert_close, run_workers
+from .helpers import assert_close, run_workers
 
 H, E, K, T = 128, 4, 2, 6
 FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
@@ -381,7 +381,7 @@ def test_real_hf_moe_model_fuses_every_site_and_its_combines(model_type):
 def test_flashinfer_dispatch_entry_is_decode_only(monkeypatch, tmp_path):
     from arfusion.backends import flashinfer as fi
     from arfusion.backends import flashinfer_dispatch as dispatch
-    from arfusion.core import Call, Site
+    from arfusion.core import Call, Form
 
     from .test_flashinfer_backend import H200, install_fake_flashinfer, remove_fake_flashinfer
 
@@ -393,8 +393,8 @@ def test_flashinfer_dispatch_entry_is_decode_only(monkeypatch, tmp_path):
         cap = dispatch.MOE_FINALIZE_MAX_TOKENS[(9, 2)]
 
         def call(tokens, world=2, quant="none"):
-            site = Site(residual=True, norm="rms", quant=quant, emit_norm=quant == "none")
-            return Call(site=site, tokens=tokens, hidden=4096, dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
+            site = Form(residual=True, norm="rms", quant=quant, emit_norm=quant == "none")
+            return Call(form=site, tokens=tokens, hidden=4096, dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
                         world_size=world, device=torch.device("cuda", 0), group_name="tp")
 
         # Off by default (not yet timed against the compiled combine + fused site), at every size.
@@ -423,7 +423,7 @@ def _flashinfer_worker(rank):
     from arfusion import reference, runtime
     from arfusion.backends import flashinfer as fi
     from arfusion.backends import get_backend
-    from arfusion.core import Site
+    from arfusion.core import Form
 
     from . import test_flashinfer_backend as tfb
 
@@ -466,7 +466,7 @@ def _flashinfer_worker(rank):
     backend.capabilities = replace(backend.capabilities, device_types=frozenset({"cpu"}))
     backend.unavailable = lambda device: None
     group = dist.group.WORLD.group_name
-    site = Site(residual=True, norm="rms")
+    site = Form(residual=True, norm="rms")
     sys_modules = __import__("sys").modules
     finalize_workspaces = []
     try:
@@ -540,7 +540,7 @@ def _flashinfer_worker(rank):
             weight = torch.ones(256, dtype=torch.bfloat16)
             got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
                 rows, scale, index, 8, True, residual, weight, 1e-6, None, other.group_name, "rms", "none", None,
-                True, "flashinfer", -1)
+                True, "flashinfer", None)
             want = reference.unfused(reference.moe_combine(rows, scale, index, 8, True), residual, weight, 1e-6,
                                      other.group_name, site)
             assert all(torch.allclose(g.float(), w.float(), atol=0.05, rtol=0.02) for g, w in zip(got, want))

@@ -14,64 +14,7 @@ import torch.multiprocessing as mp
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_workers(fn, world: int, *args) -> None:
-    mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
-
-
-def collect_from_ranks(fn, world: int, tmp_dir) -> list[dict]:
-    """fn(rank) -> a JSON-able dict, run on `world` gloo ranks in one spawn; the dicts by rank."""
-    path = str(tmp_dir / "out")
-    run_workers(_write_result, world, fn, path)
-    return [json.load(open(f"{path}.{rank}")) for rank in range(world)]
-
-
-def _write_result(rank, fn, path):
-    result = fn(rank)
-    with open(f"{path}.{rank}", "w") as f:
-        json.dump(result, f)
-
-
-def _worker(rank, world, port, fn, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, *args)
-    finally:
-        dist.destroy_process_group()
-    # Done and torn down: leave without the interpreter's own teardown, where gloo's threads
-    # sometimes abort the process ("terminate called without an active exception", SIGABRT after
-    # a passing test; pytorch/pytorch#179291, as in tests/gpu/soak.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def assert_close(actual, expected, dtype, what):
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    err = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
-    assert err <= TOL[dtype], f"{what}: relative error {err:.2e}"
-
-
-def compiled_vs_eager(module, inputs, dynamic=False, backend="torch"):
-    import arfusion
-
-    arfusion.reset_stats()
-    torch._dynamo.reset()
-    options = arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend))
-    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
-        expected = module(*inputs)
-        actual = torch.compile(module, options=options, dynamic=dynamic)(*inputs)
-    return actual, expected, arfusion.stats()
+from .helpers import assert_close, compiled_vs_eager, run_workers  # noqa: F401
 
 
 # ------------------------------------------------------------------ workers
@@ -102,11 +45,25 @@ def _decoder(rank):
     assert_close(actual, expected, torch.bfloat16, "decoder output")
 
 
+def _eps_buffer(rank, dtype):
+    from .models import EpsBufferSite
+
+    torch.manual_seed(0)
+    model = EpsBufferSite(256).to(dtype)  # the eps buffer becomes a 0-d `dtype` tensor
+    assert model.norm.eps.dtype == dtype
+    torch.manual_seed(100 + rank)
+    inputs = (torch.randn(2, 5, 256, dtype=dtype), torch.randn(2, 5, 256, dtype=dtype))
+    (a_norm, a_sum), (e_norm, e_sum), stats = compiled_vs_eager(model, inputs)
+    assert stats["fused_sites"] == 1 and stats["why_not_codes"] == {}, stats
+    assert_close(a_norm, e_norm, dtype, "norm")
+    assert_close(a_sum, e_sum, dtype, "residual sum")
+
+
 def _op_outputs_by_name(rank):
     """Direct op calls: each output is what its name says, on both the fused and fallback path."""
     import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
     from arfusion import reference
-    from arfusion.core import Site
+    from arfusion.core import Form
 
     group = dist.group.WORLD.group_name
     torch.manual_seed(rank)
@@ -114,10 +71,10 @@ def _op_outputs_by_name(rank):
     weight = torch.rand(32) + 0.5
     reduced = x.clone()
     dist.all_reduce(reduced)
-    for max_bytes, path in ((-1, "torch"), (0, "fallback")):
+    for max_bytes, path in ((None, "torch"), (0, "fallback")):
         arfusion.reset_stats()
         for res in (residual, None):
-            site = Site(residual=res is not None, norm="rms")
+            site = Form(residual=res is not None, norm="rms")
             outs = torch.ops.arfusion.fused_allreduce_rmsnorm(
                 x, res, weight, 1e-6, None, group, "rms", "none", None, True, "torch", max_bytes)
             h = reduced if res is None else res + reduced
@@ -163,7 +120,7 @@ def _declined_sites_on_callers_stream(rank):
             h = residual + funcol.all_reduce(y, "sum", dist.group.WORLD)
             return self.norm(h), h
 
-    arfusion.fusion_pass.current_stream_pays = lambda device: True  # as on CUDA (a spawned process)
+    arfusion.policy.current_stream_pays = lambda device: True  # as on CUDA (a spawned process)
     messages = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
@@ -251,6 +208,13 @@ def test_dynamic_shapes_match_uncompiled():
 
 def test_decoder_matches_uncompiled():
     run_workers(_decoder, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eps_buffer_in_the_model_dtype_fuses(dtype):
+    """The same verdict as on a GPU: a bf16 buffer eps is still eps (the probe compares with the
+    value its dtype holds)."""
+    run_workers(_eps_buffer, 2, dtype)
 
 
 def test_op_outputs_land_where_named():

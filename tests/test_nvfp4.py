@@ -16,7 +16,7 @@ import arfusion
 from arfusion import quant as Q
 
 from .models import RowParallelThenNorm
-from .test_numerics_gloo import assert_close, compiled_vs_eager, run_workers
+from .helpers import assert_close, compiled_vs_eager, run_workers
 from .test_patterns import compile_and_inspect
 
 nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")

@@ -8,15 +8,17 @@ from torch._dynamo.utils import counters
 
 import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
 from arfusion import execution, reference, runtime
-from arfusion.core import Site
+from arfusion.core import Form
+from arfusion.policy import Caps
 
-SITE = Site(residual=True, norm="rms", quant="fp8_dynamic", emit_norm=True)
+SITE = Form(residual=True, norm="rms", quant="fp8_dynamic", emit_norm=True)
 
 
 def declined_call(group_name, x, res, w):
     # backend "flashinfer" on a CPU tensor: declined at run time, so the op computes the fallback
     return torch.ops.arfusion.fused_allreduce_rmsnorm(
-        x, res, w, 1e-6, None, group_name, SITE.norm, SITE.quant, None, SITE.emit_norm, "flashinfer", -1)
+        x=x, residual=res, weight=w, eps=1e-6, eps_tensor=None, group_name=group_name, norm=SITE.norm,
+        quant=SITE.quant, quant_scale=None, emit_norm=SITE.emit_norm, backend="flashinfer")
 
 
 def inputs():
@@ -30,7 +32,8 @@ def test_cpu_fallback_is_the_eager_reference(world_of_one, monkeypatch):
     x, res, w = inputs()
     got = declined_call(world_of_one, x, res, w)
     want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
-    assert all(torch.equal(g.float(), r.float()) for g, r in zip(got, want))
+    assert len(got) == len(want) and all(torch.equal(g.float(), r.float()) for g, r in zip(got, want))
+    assert arfusion.stats()["dispatch"] == {"fallback": 1}
 
 
 def test_gpu_fallback_is_all_reduce_plus_compiled_norm(world_of_one, monkeypatch):
@@ -102,7 +105,8 @@ def test_outputs_are_dense_whatever_the_input_layout(world_of_one, backend, quan
 
     def call(x, res, w):
         return torch.ops.arfusion.fused_allreduce_rmsnorm(
-            x, res, w, 1e-6, None, world_of_one, "rms", quant, None, True, backend, -1)
+            x=x, residual=res, weight=w, eps=1e-6, eps_tensor=None, group_name=world_of_one, norm="rms",
+            quant=quant, quant_scale=None, emit_norm=True, backend=backend)
 
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake = call(mode.from_tensor(x), mode.from_tensor(res), mode.from_tensor(w))
@@ -110,7 +114,7 @@ def test_outputs_are_dense_whatever_the_input_layout(world_of_one, backend, quan
     for f, r in zip(fake, real):
         assert f.is_contiguous() and r.is_contiguous(), (f.stride(), r.stride())
         assert (f.shape, f.stride(), f.dtype) == (r.shape, r.stride(), r.dtype)
-    want = reference.unfused(x, res, w, 1e-6, world_of_one, Site(residual=True, norm="rms", quant=quant,
+    want = reference.unfused(x, res, w, 1e-6, world_of_one, Form(residual=True, norm="rms", quant=quant,
                                                                     emit_norm=True))
     assert torch.equal(real[0], want[0]) and torch.equal(real[1].float(), want[1].float())
 
@@ -124,8 +128,8 @@ def test_input_scale_is_applied_on_every_path(world_of_one, backend):
     arfusion.reset_stats()
     x, res, w = inputs()
     got = torch.ops.arfusion.fused_allreduce_rmsnorm(
-        x, res, w, 1e-6, None, world_of_one, SITE.norm, SITE.quant, None, SITE.emit_norm, backend, -1,
-        "", "", -1, 0.22)
+        x=x, residual=res, weight=w, eps=1e-6, eps_tensor=None, group_name=world_of_one, norm=SITE.norm,
+        quant=SITE.quant, quant_scale=None, emit_norm=SITE.emit_norm, backend=backend, input_scale=0.22)
     want = reference.add_rms_norm(x, res, w, 1e-6, SITE, None, 0.22)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert arfusion.stats()["dispatch"] == ({"torch": 1} if backend == "torch" else {"fallback": 1})
@@ -161,7 +165,20 @@ def test_an_eps_buffer_is_read_once_per_version_and_never_inside_a_capture(monke
 def test_an_unread_gpu_eps_during_capture_runs_unfused_with_the_tensor(world_of_one):
     x, res, w = inputs()
     eps = torch.tensor(1e-6)
-    got = execution.run_fused(x, res, w, eps, world_of_one, SITE, None, "torch", -1)  # eps as the tensor
+    got = execution.run_fused(x, res, w, eps, world_of_one, SITE, quant_scale=None, backend="torch",
+                              caps=Caps())  # eps as the tensor
     want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
     assert all(torch.allclose(g.float(), r.float(), atol=1e-2) for g, r in zip(got, want))
     assert arfusion.stats()["dispatch"] == {"fallback": 1}
+
+
+def test_a_negative_cap_is_an_error_not_a_cap(world_of_one):
+    """None means the backend's own size table; -1 (an old spelling of it) is refused, not read
+    as a cap that declines every call."""
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="not -1"):
+        torch.ops.arfusion.all_reduce(x=x, group_name=world_of_one, backend="torch", max_bytes=-1)
+    with pytest.raises(ValueError, match="not -1"):
+        torch.ops.arfusion.fused_allreduce_rmsnorm(
+            x=x, residual=None, weight=None, eps=1e-6, eps_tensor=None, group_name=world_of_one, norm="rms",
+            quant="none", quant_scale=None, emit_norm=True, backend="torch", max_bytes=-1)

@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 import arfusion
-from arfusion.fusion_pass import ALL_REDUCE, FUSED_OP, ArFusionPass, ChainedPass
+from arfusion.edits import FUSED_OP
+from arfusion.fusion_pass import ALL_REDUCE, ArFusionPass, ChainedPass
 
 from .models import RowParallelThenNorm, TinyDecoder, op_arguments, unfused_all_reduces
 
@@ -193,7 +194,7 @@ def test_declined_site_all_reduces_on_the_callers_stream(fake_pg, monkeypatch, c
     model, args = TinyDecoder(HIDDEN, layers=2), (torch.randn(1, 6, HIDDEN, dtype=torch.bfloat16),)
     # On CPU the functional all-reduce stays (the gain is a CUDA-graph one).
     assert _all_reduces_by_kind(model, *args, config=arfusion.PassConfig(**capped)) == (5, 0)
-    monkeypatch.setattr(arfusion.fusion_pass, "current_stream_pays", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(arfusion.policy, "current_stream_pays", lambda device: True)  # as on CUDA
     torch._dynamo.reset()
     before = arfusion.stats()
     with caplog.at_level(logging.INFO, logger="arfusion"):

@@ -14,7 +14,7 @@ import arfusion
 from arfusion import quant as Q
 
 from .models import NormThenQuant, RowParallelThenNorm
-from .test_numerics_gloo import assert_close, compiled_vs_eager, run_workers
+from .helpers import assert_close, compiled_vs_eager, run_workers
 from .test_patterns import compile_and_inspect
 
 HIDDEN = 256

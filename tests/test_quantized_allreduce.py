@@ -13,18 +13,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from arfusion import quantized_comm
+from arfusion import codec as codecs
 from arfusion.backends import flashinfer as fi
 from arfusion.backends import flashinfer_dispatch as dispatch
-from arfusion.core import Call, Site
+from arfusion.core import Call, Form
 from arfusion.backends.torch_ref import TorchBackend
 from arfusion.config import QUANTIZED_ENV, QUANTIZED_LEVELS, PassConfig
+from arfusion.decisions import Why
 
-from .test_numerics_gloo import collect_from_ranks
+from .helpers import collect_from_ranks
 
 MiB = 1 << 20
 BF16 = torch.bfloat16
-SITE = Site(residual=True, norm="rms")
+SITE = Form(residual=True, norm="rms")
 
 
 # ---------------------------------------------------------------- config
@@ -40,8 +41,8 @@ def test_config_levels_and_validation():
         PassConfig(quantized_allreduce_min_mb={2: -1})
     config = PassConfig.from_dict({"pass_config": {"quantized_allreduce": "int4",
                                                    "quantized_allreduce_min_mb": {"2": 16}}})
-    assert config.quantized_allreduce == "int4" and config.quantized_min_bytes(2) == 16 * MiB
-    assert config.quantized_min_bytes(4) is None
+    assert config.quantized_allreduce == "int4" and config.codec_min_bytes(2) == 16 * MiB
+    assert config.codec_min_bytes(4) is None
     # The level is part of the cache key: a quantized graph is never served to an exact config.
     assert PassConfig(quantized_allreduce="fp8").key() != PassConfig().key()
 
@@ -62,11 +63,11 @@ def test_env_switch_applies_where_the_config_names_no_level(monkeypatch):
 
 @pytest.mark.parametrize("level", QUANTIZED_LEVELS)
 def test_codec_error_is_bounded_per_group(level):
-    codec = quantized_comm.CODECS[level]
+    codec = codecs.CODECS[level]
     torch.manual_seed(0)
     x = torch.randn(8, 1024, dtype=torch.float64)
     x[0, 5] = 300.0  # an outlier only coarsens its own group
-    back = quantized_comm.quantize_dequantize(x, codec).double()
+    back = codecs.quantize_dequantize(x, codec).double()
     groups, back_groups = x.reshape(-1, codec.group), back.reshape(-1, codec.group)
     amax = groups.abs().amax(-1, keepdim=True)
     err = (back_groups - groups).abs()
@@ -88,17 +89,17 @@ def test_codec_error_is_bounded_per_group(level):
 def test_codecs_get_coarser_with_fewer_bits():
     torch.manual_seed(1)
     x = torch.randn(4096)
-    errors = {lv: (quantized_comm.quantize_dequantize(x, quantized_comm.CODECS[lv]) - x).norm() / x.norm()
+    errors = {lv: (codecs.quantize_dequantize(x, codecs.CODECS[lv]) - x).norm() / x.norm()
               for lv in ("int8", "int6", "int4")}
     assert errors["int8"] < errors["int6"] < errors["int4"] < 0.2
 
 
 def test_flashinfer_stripes():
-    owner = quantized_comm.stripe_owner(3 * 4096 + 5, 2, torch.device("cpu"))
+    owner = codecs.stripe_owner(3 * 4096 + 5, 2, torch.device("cpu"))
     assert owner[:4096].eq(0).all() and owner[4096:8192].eq(1).all() and owner[8192:].tolist()[0] == 0
-    assert quantized_comm.stripe_owner(300, 4, torch.device("cpu")).eq(0).all()  # one stripe: all of it
+    assert codecs.stripe_owner(300, 4, torch.device("cpu")).eq(0).all()  # one stripe: all of it
     big = 32 * 2 ** 20 + 8
-    assert int(quantized_comm.stripe_owner(big, 2, torch.device("cpu"))[16384]) == 1
+    assert int(codecs.stripe_owner(big, 2, torch.device("cpu"))[16384]) == 1
 
 
 # ---------------------------------------------------------------- gating at the crossover
@@ -116,7 +117,7 @@ def h200(monkeypatch, tmp_path):
 
 
 def call(tokens, hidden=4096, world=2, dtype=BF16, device="cuda"):
-    return Call(site=SITE, tokens=tokens, hidden=hidden, dtype=dtype, weight_dtype=dtype, world_size=world,
+    return Call(form=SITE, tokens=tokens, hidden=hidden, dtype=dtype, weight_dtype=dtype, world_size=world,
                 device=torch.device(device, 0) if device == "cuda" else torch.device(device), group_name="g")
 
 
@@ -126,49 +127,52 @@ def tokens_for(mib, hidden=4096):
 
 def test_flashinfer_crossover_boundary(h200):
     at = tokens_for(8)  # 1024 tokens x 4096 x 2 bytes = 8 MiB: the seeded crossover, inclusive
-    assert h200.quantized_why_not(call(at), "fp8") is None
-    assert "< 8388608" in h200.quantized_why_not(call(at - 1), "fp8")
-    assert h200.quantized_why_not(call(None), "fp8") is None  # dynamic: decided per call
-    assert "largest size measured" in h200.quantized_why_not(call(tokens_for(64) + 1), "fp8")
-    assert h200.quantized_why_not(call(tokens_for(64)), "fp8") is None
+    assert h200.codec_why_not(call(at), "fp8") is None
+    assert h200.codec_why_not(call(at - 1), "fp8").code is Why.BELOW_CROSSOVER
+    assert h200.codec_why_not(call(None), "fp8") is None  # dynamic: decided per call
+    assert h200.codec_why_not(call(tokens_for(64) + 1), "fp8").code is Why.SIZE_CAP
+    assert h200.codec_why_not(call(tokens_for(64)), "fp8") is None
 
 
 @pytest.mark.parametrize("change, expected", [
-    (dict(world=4), "arfusion tune --quantized fp8"),  # unmeasured: never guessed
-    (dict(world=6), "power-of-two world size"),
-    (dict(dtype=torch.float16), "bfloat16 only"),
-    (dict(hidden=4100), "multiple of 8"),
+    (dict(world=4), Why.NO_CROSSOVER),  # unmeasured: never guessed
+    (dict(world=6), Why.WORLD_SIZE),
+    (dict(dtype=torch.float16), Why.DTYPE),
+    (dict(hidden=4100), Why.SHAPE),
 ])
 def test_flashinfer_declines_what_it_cannot_run(h200, change, expected):
     args = dict(tokens=tokens_for(16, change.get("hidden", 4096)))
     args.update(change)
-    assert expected in h200.quantized_why_not(call(**args), "fp8")
+    reason = h200.codec_why_not(call(**args), "fp8")
+    assert reason.code is expected
+    if expected is Why.NO_CROSSOVER:  # says how to measure it, or what to set instead
+        assert "--quantized" in reason.message and "quantized_allreduce_min_mb" in reason.message
 
 
 def test_flashinfer_has_fp8_only(h200):
-    assert "no int4 quantized all-reduce" in h200.quantized_why_not(call(4096), "int4")
+    assert h200.codec_why_not(call(4096), "int4").code is Why.NO_KERNEL
 
 
 def test_user_threshold_and_tuned_cache_override_the_table(h200, tmp_path):
-    assert h200.quantized_why_not(call(tokens_for(1)), "fp8", min_bytes_override=0) is None
-    assert h200.quantized_why_not(call(tokens_for(16)), "fp8", min_bytes_override=32 * MiB) is not None
+    assert h200.codec_why_not(call(tokens_for(1)), "fp8", min_bytes_override=0) is None
+    assert h200.codec_why_not(call(tokens_for(16)), "fp8", min_bytes_override=32 * MiB).code is Why.BELOW_CROSSOVER
     key = dispatch.tuned_key("NVIDIA H200", 4, 4096, BF16)
     entry = {"max_fused_tokens": 1024, "oneshot_max_tokens": 256, "quantized_min_tokens": {"fp8": 2048}}
     (tmp_path / "tuning.json").write_text(json.dumps({"version": dispatch.CACHE_VERSION, "entries": {key: entry}}))
     dispatch.forget_cache()
-    assert h200.quantized_why_not(call(2048, world=4), "fp8") is None
-    assert "tuned cache" in h200.quantized_why_not(call(2047, world=4), "fp8")
+    assert h200.codec_why_not(call(2048, world=4), "fp8") is None
+    assert h200.codec_why_not(call(2047, world=4), "fp8").code is Why.BELOW_CROSSOVER
     entry["quantized_min_tokens"] = {"fp8": None}
     (tmp_path / "tuning.json").write_text(json.dumps({"version": dispatch.CACHE_VERSION, "entries": {key: entry}}))
     dispatch.forget_cache()
-    assert "never faster" in h200.quantized_why_not(call(8192, world=4), "fp8")
+    assert h200.codec_why_not(call(8192, world=4), "fp8").code is Why.NO_CROSSOVER
 
 
 def test_torch_backend_emulates_at_every_size():
     backend = TorchBackend()
     for level in QUANTIZED_LEVELS:
-        assert backend.quantized_why_not(call(1, device="cpu"), level) is None
-    assert backend.quantized_why_not(call(1, device="cpu"), "fp8", min_bytes_override=MiB) is not None
+        assert backend.codec_why_not(call(1, device="cpu"), level) is None
+    assert backend.codec_why_not(call(1, device="cpu"), "fp8", min_bytes_override=MiB).code is Why.BELOW_CROSSOVER
 
 
 # ---------------------------------------------------------------- gloo workers (one spawn)
@@ -214,7 +218,7 @@ def _end_to_end(rank, out):
             config = PassConfig(enable_allreduce_fusion=True, backend="torch", quantized_allreduce=level)
             norm, h = _compiled(model, config)(x, res)
             # What the op must compute: the emulated all-reduce of the same matmul, then the norm.
-            want_h = res + quantized_comm.emulate(x @ model.w, group, level)
+            want_h = res + codecs.emulate(x @ model.w, group, level)
             want_norm = reference.rms_norm(want_h, model.g, 1e-6, "rms")
             out[level] = dict(
                 stats=arfusion.stats(),
@@ -241,12 +245,12 @@ def _end_to_end(rank, out):
 
         # Ranks agree except in each other's stripes (FlashInfer's fp8 two-shot).
         y = torch.randn(3 * 4096, dtype=torch.float32) * (1 + rank)
-        got = quantized_comm.emulate(y, group, "fp8")
+        got = codecs.emulate(y, group, "fp8")
         gathered = [torch.empty_like(got) for _ in range(2)]
         dist.all_gather(gathered, got)
         total = y.clone()
         dist.all_reduce(total)
-        owner = quantized_comm.stripe_owner(y.numel(), 2, y.device)
+        owner = codecs.stripe_owner(y.numel(), 2, y.device)
         out["stripes"] = dict(
             own_exact_vs_fp8_sum=float((got[owner == rank] - _sum_of_quantized(y, group)[owner == rank]).abs().max()),
             others_differ=bool((gathered[0] != gathered[1]).any()),
@@ -254,7 +258,7 @@ def _end_to_end(rank, out):
 
 
 def _sum_of_quantized(y, group):
-    sent = quantized_comm.quantize_dequantize(y, quantized_comm.CODECS["fp8"])
+    sent = codecs.quantize_dequantize(y, codecs.CODECS["fp8"])
     dist.all_reduce(sent)
     return sent
 
@@ -263,14 +267,15 @@ def _fallback_when_missing(rank, out):
     """FlashInfer's prepare on gloo/CPU with the module missing on one rank, then raising on one."""
     from arfusion.backends.flashinfer import FlashInferBackend
 
-    c = Call(site=SITE, tokens=4, hidden=64, dtype=BF16, weight_dtype=BF16, world_size=2,
+    c = Call(form=SITE, tokens=4, hidden=64, dtype=BF16, weight_dtype=BF16, world_size=2,
              device=torch.device("cpu"), group_name=dist.group.WORLD.group_name)
     name = "flashinfer.comm.quantized_allreduce"
     saved = sys.modules.get(name)
     try:
         sys.modules[name] = None if rank == 1 else types.SimpleNamespace()  # None: import fails
         backend = FlashInferBackend()
-        out["missing"] = [backend.prepare_quantized(c, "fp8"), backend.prepare_quantized(c, "fp8")]
+        missing = [backend.prepare_codec(c, "fp8"), backend.prepare_codec(c, "fp8")]
+        out["missing"] = [missing[0] and missing[0].code.value, missing[0] == missing[1]]
 
         calls = []
 
@@ -282,10 +287,11 @@ def _fallback_when_missing(rank, out):
 
         sys.modules[name] = types.SimpleNamespace(quantized_all_reduce=quantized_all_reduce)
         backend = FlashInferBackend()
-        out["raising"] = [backend.prepare_quantized(c, "fp8"), calls]
+        raising = backend.prepare_codec(c, "fp8")
+        out["raising"] = [raising and raising.code.value, calls]
         sys.modules[name] = types.SimpleNamespace(quantized_all_reduce=lambda inp, group, output=None: output)
         backend = FlashInferBackend()
-        out["ok"] = [backend.prepare_quantized(c, "fp8"), backend._groups[c.group_name].quantized_ready]
+        out["ok"] = [backend.prepare_codec(c, "fp8"), backend._groups[c.group_name].codec_ready]
     finally:
         if saved is None:
             sys.modules.pop(name, None)
@@ -349,11 +355,9 @@ def test_emulated_fp8_keeps_each_ranks_own_stripe_exact(results):
 @pytest.mark.slow
 def test_missing_library_or_symmetric_memory_falls_back_on_every_rank(results):
     for r in results:
-        first, second = r["missing"]
-        assert first and first == second  # decided once, the same on both ranks, not retried
-        reason, calls = r["raising"]
-        assert "set-up failed" in reason
+        # Missing on rank 1 only: both ranks decline, once (the second call gives the same reason).
+        assert r["missing"] == ["runtime", True]
+        code, calls = r["raising"]
+        assert code == "runtime"  # raising on rank 0 only: both decline
         assert calls == [dispatch.QUANTIZED_MAX_BYTES // 2]  # one warm-up at the largest size
         assert r["ok"] == [None, True]
-    assert "unavailable" in results[1]["missing"][0]
-    assert "another rank" in results[0]["missing"][0]

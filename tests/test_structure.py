@@ -4,11 +4,14 @@ sit, how long modules are, and that no function is written twice. Fast, CPU, not
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from arfusion.decisions import Fate, Why
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "arfusion"
@@ -131,3 +134,90 @@ def test_no_function_is_defined_twice():
                 seen.setdefault(_body_key(func), []).append(f"{path.relative_to(ROOT)}:{func.lineno} {func.name}")
     twice = [places for places in seen.values() if len(places) > 1]
     assert not twice, "functions defined more than once:\n" + "\n".join(", ".join(p) for p in twice)
+
+
+# ------------------------------------------------------------------ decisions are values
+
+DRIVER_MAX_LINES = 30  # ArFusionPass._rewrite: find, decide, edit, record, in one screen
+# Where a reason or an outcome is held; a prose literal compared with one of these is free text.
+HOLDS_A_REASON = re.compile(r"\b(reason|reasons|why_not|not_fused|not_fast|detail|message|outcome|fate)\b")
+FATES = {fate.value for fate in Fate}
+
+
+def _literals(node: ast.expr) -> list[str]:
+    """The string literals `node` is, or holds as a tuple or list."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.JoinedStr):
+        return ["".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)]
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return [s for e in node.elts for s in _literals(e)]
+    return []
+
+
+def _free_text_comparisons(path: Path) -> list[str]:
+    """`file:line source` of each comparison of a reason or outcome with a literal: prose (a
+    literal with a space) or an outcome spelled as a string."""
+    found = []
+    for node in ast.walk(_parse(path)):
+        calls = [node] if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr in ("startswith", "endswith") else []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif calls:
+            operands = [node.func.value, *node.args]
+        else:
+            continue
+        for i, operand in enumerate(operands):
+            others = " ".join(ast.unparse(o) for j, o in enumerate(operands) if j != i)
+            texts = _literals(operand)
+            if texts and HOLDS_A_REASON.search(others) and "getMessage" not in others \
+                    and any(" " in t or t in FATES for t in texts):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)[:100]}")
+                break
+    return found
+
+
+def test_no_reason_or_outcome_is_compared_as_free_text():
+    """Codes and fates are compared as values (decisions.Why, decisions.Fate); a message is read
+    only for the names and numbers it must carry (a literal without spaces)."""
+    decided = {PACKAGE / "decisions.py"}
+    found = [hit for path in _sources("arfusion", "benchmarks", "tests", "examples") if path not in decided
+             for hit in _free_text_comparisons(path)]
+    assert not found, "free-text comparisons of reasons or outcomes:\n" + "\n".join(found)
+
+
+def test_stats_reasons_are_read_by_code():
+    """`stats()["why_not"]` (messages, for people) is never read by a test or a sweep; they read
+    `why_not_codes`."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _sources("tests", "benchmarks")
+             for node in ast.walk(_parse(path))
+             if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+             and node.slice.value in ("why_not", "nccl_reasons")]
+    assert not found, "reasons read by message: " + ", ".join(found)
+
+
+def test_the_driver_reads_in_one_screen():
+    tree = _parse(PACKAGE / "fusion_pass.py")
+    driver, = (f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "_rewrite")
+    lines = driver.end_lineno - driver.lineno + 1
+    assert lines <= DRIVER_MAX_LINES, f"ArFusionPass._rewrite is {lines} lines"
+
+
+def test_test_modules_import_no_other_test_module():
+    """Shared test code lives in tests/helpers.py, tests/models.py and the *_cases.py modules."""
+    found = []
+    for path in _sources("tests"):
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = _imported(path, node)
+                hits = [n for n in names[:1] if n.split(".")[-1].startswith("test_")]
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in hits]
+    assert not found, "test modules imported by other modules:\n" + "\n".join(found)
+
+
+def test_every_fate_and_code_is_documented():
+    """docs/usage.md lists every fate and reason code (people read the codes in stats and JSON)."""
+    doc = (ROOT / "docs" / "usage.md").read_text()
+    missing = [v.value for v in (*Fate, *Why) if f"`{v.value}`" not in doc]
+    assert not missing, f"not in docs/usage.md: {missing}"

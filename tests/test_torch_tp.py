@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .test_numerics_gloo import assert_close, compiled_vs_eager, run_workers
+from .helpers import assert_close, compiled_vs_eager, run_workers
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

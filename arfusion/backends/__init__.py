@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from ..decisions import Reason, Why
 from .base import Backend, Capabilities
 
 log = logging.getLogger("arfusion")
@@ -25,13 +26,13 @@ _IMPLEMENTATIONS = {
 
 
 @functools.cache
-def get_backend(name: str) -> Backend | str:
-    """The backend instance, or a string saying why it cannot be loaded."""
+def get_backend(name: str) -> Backend | Reason:
+    """The backend instance, or why it cannot be loaded."""
     module_name, class_name = _IMPLEMENTATIONS[name]
     try:
         return getattr(importlib.import_module(module_name), class_name)()
     except Exception as e:  # a backend module that fails to import just isn't there
-        return f"{name} backend not loadable: {type(e).__name__}: {e}"
+        return Reason(Why.NO_BACKEND, f"{name} backend not loadable: {type(e).__name__}: {e}")
 
 
 def preferred_backend(device: torch.device) -> str:
@@ -40,16 +41,16 @@ def preferred_backend(device: torch.device) -> str:
     return "torch"
 
 
-def resolve(requested: str, device: torch.device) -> tuple[Backend | None, str]:
-    """(backend, "") if `requested` can run on `device`, else (None, reason)."""
+def resolve(requested: str, device: torch.device) -> tuple[Backend | None, Reason | None]:
+    """(backend, None) if `requested` can run on `device`, else (None, why not)."""
     name = preferred_backend(device) if requested == "auto" else requested
     backend = get_backend(name)
-    if isinstance(backend, str):
+    if isinstance(backend, Reason):
         return None, backend
     reason = backend.unavailable(device)
     if reason:
-        return None, f"{name}: {reason}"
-    return backend, ""
+        return None, reason.but(name)
+    return backend, None
 
 
 def fingerprint() -> str:
@@ -57,5 +58,5 @@ def fingerprint() -> str:
     parts = []
     for name in _IMPLEMENTATIONS:
         backend = get_backend(name)
-        parts.append(f"{name}={backend if isinstance(backend, str) else backend.fingerprint()}")
+        parts.append(f"{name}={backend if isinstance(backend, Reason) else backend.fingerprint()}")
     return ";".join(parts)

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from ..core import NORM_FORMS, Call
+from ..decisions import Reason, Why
 
 
 @dataclass(frozen=True)
@@ -26,36 +27,30 @@ class Capabilities:
     quants: frozenset[str] = frozenset({"none"})
     world_sizes: frozenset[int] = frozenset()
     residual_optional: bool = True
-    quantized_levels: frozenset[str] = frozenset()  # config.QUANTIZED_LEVELS it has an all-reduce for
+    codecs: frozenset[str] = frozenset()  # config.QUANTIZED_LEVELS it has an all-reduce for
     # The fused MoE kernel is safe only with another collective on its group between two of its
     # calls, and the pass can vouch for that only inside one graph (FlashInfer's finalize kernel:
     # FinalizeWorkspaces in flashinfer.py).
     moe_combine_needs_other_collective: bool = False
 
-    def why_not(self, call: Call) -> str | None:
-        site = call.site
-        if call.device.type not in self.device_types:
-            return f"device {call.device.type} not in {sorted(self.device_types)}"
-        if call.dtype not in self.dtypes:
-            return f"dtype {call.dtype} not supported"
-        if site.norm not in self.norms:
-            return f"norm form {site.norm} not supported"
-        if site.quant not in self.quants:
-            return f"quant form {site.quant} not supported"
-        if self.world_sizes and call.world_size not in self.world_sizes:
-            return f"world size {call.world_size} not in {sorted(self.world_sizes)}"
-        if not site.residual and not self.residual_optional:
-            return "needs a residual"
-        return None
+    def why_not(self, call: Call) -> Reason | None:
+        form = call.form
+        if form.norm not in self.norms:
+            return Reason(Why.NORM_FORM, f"norm form {form.norm} not supported")
+        if form.quant not in self.quants:
+            return Reason(Why.QUANT_FORM, f"quant form {form.quant} not supported")
+        if not form.residual and not self.residual_optional:
+            return Reason(Why.NEEDS_RESIDUAL, "needs a residual")
+        return self.why_not_plain(call)
 
-    def why_not_plain(self, call: Call) -> str | None:
-        """The static checks for a plain all-reduce (no norm, so no norm or quant form)."""
+    def why_not_plain(self, call: Call) -> Reason | None:
+        """The checks every call meets, a plain all-reduce's too (it has no norm or quant form)."""
         if call.device.type not in self.device_types:
-            return f"device {call.device.type} not in {sorted(self.device_types)}"
+            return Reason(Why.DEVICE, f"device {call.device.type} not in {sorted(self.device_types)}")
         if call.dtype not in self.dtypes:
-            return f"dtype {call.dtype} not supported"
+            return Reason(Why.DTYPE, f"dtype {call.dtype} not supported")
         if self.world_sizes and call.world_size not in self.world_sizes:
-            return f"world size {call.world_size} not in {sorted(self.world_sizes)}"
+            return Reason(Why.WORLD_SIZE, f"world size {call.world_size} not in {sorted(self.world_sizes)}")
         return None
 
 
@@ -72,27 +67,25 @@ class Backend:
     name: str = "base"
     capabilities: Capabilities = field(default_factory=lambda: Capabilities(frozenset(), frozenset()))
 
-    def unavailable(self, device: torch.device) -> str | None:
+    def unavailable(self, device: torch.device) -> Reason | None:
         return None
 
-    def shape_check(self, call: Call) -> str | None:
+    def shape_check(self, call: Call) -> Reason | None:
         return None
 
     def default_max_bytes(self, call: Call) -> int | None:
         return None
 
-    def why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+    def why_not(self, call: Call, max_bytes_override: int | None = None) -> Reason | None:
         """None if this call may be fused by this backend, else the reason it may not."""
         reason = (self.capabilities.why_not(call) or self.unavailable(call.device)
                   or self.shape_check(call))
         if reason:
             return reason
         cap = max_bytes_override if max_bytes_override is not None else self.default_max_bytes(call)
-        if cap is not None and call.nbytes is not None and call.nbytes > cap:
-            return f"{call.nbytes} bytes per rank > cap {cap}"
-        return None
+        return over_cap(call, cap, "the backend's cap" if max_bytes_override is None else "the configured max_size_mb")
 
-    def prepare(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+    def prepare(self, call: Call, max_bytes_override: int | None = None) -> Reason | None:
         """Run time only, after `why_not` accepted the call: get what the kernel needs (e.g. a
         workspace, created collectively). None when ready, else why not. The pass never calls
         it, so nothing here may be assumed to exist when a compiled graph is loaded from cache."""
@@ -104,7 +97,7 @@ class Backend:
 
     def run(self, call: Call, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
             eps: float, quant_scale: torch.Tensor | None) -> Sequence[torch.Tensor]:
-        """Compute the fused result; return tensors in `call.site.outputs()` order."""
+        """Compute the fused result; return tensors in `call.form.outputs()` order."""
         raise NotImplementedError
 
     def run_scaled(self, call: Call, x: torch.Tensor, input_scale: float | torch.Tensor,
@@ -120,12 +113,12 @@ class Backend:
     # ordinary fused site (`run` above), and the pass leaves the combine to Inductor where the
     # token count is known at compile time.
 
-    def moe_combine_why_not(self, call: Call, top_k: int, rows: int | None) -> str | None:
+    def moe_combine_why_not(self, call: Call, top_k: int, rows: int | None) -> Reason | None:
         """None if this backend computes combine + site in one go for `call` (tokens None:
         unknown until run time), else why not. Same-on-every-rank facts only."""
-        return f"backend {self.name} has no fused MoE-combine kernel"
+        return Reason(Why.NO_KERNEL, f"backend {self.name} has no fused MoE-combine kernel")
 
-    def prepare_moe_combine(self, call: Call) -> str | None:
+    def prepare_moe_combine(self, call: Call) -> Reason | None:
         """`prepare` for the fused MoE kernel, after `prepare` (run time, collective where it makes
         anything): None when ready, else why not."""
         return None
@@ -136,47 +129,48 @@ class Backend:
                         routed_scale: float = 1.0, input_scale: float = 1.0) -> Sequence[torch.Tensor]:
         """The fused result from the combine's inputs (see `reference.moe_combine`: the combine times
         `routed_scale`, plus `shared` [T, H], all-reduced, times `input_scale`); outputs in
-        `call.site.outputs()` order, [T, H]."""
+        `call.form.outputs()` order, [T, H]."""
         raise NotImplementedError
 
-    # Quantized all-reduce (opt-in, lossy; arfusion/quantized_comm.py): the op runs it, then the
-    # compiled add+RMSNorm(+quant), where `quantized_why_not` accepts the call. The crossover
-    # (`quantized_min_bytes`) is where it beats the exact path this backend would take; the
+    # Quantized all-reduce (opt-in, lossy; arfusion/codec.py): the op runs it, then the
+    # compiled add+RMSNorm(+quant), where `codec_why_not` accepts the call. The crossover
+    # (`codec_min_bytes`) is where it beats the exact path this backend would take; the
     # checks read same-on-every-rank facts only, like `why_not`.
 
-    def quantized_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
+    def codec_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
         """(per-rank bytes from which `level` pays here, inclusive, or None: not known; source)."""
         return None, f"no measured crossover for a {level} all-reduce on backend {self.name}"
 
-    def quantized_problem(self, call: Call, level: str) -> str | None:
+    def codec_problem(self, call: Call, level: str) -> Reason | None:
         """Backend-specific reasons the quantized kernel cannot take `call` (dtype, world, GPU)."""
         return None
 
-    def quantized_why_not(self, call: Call, level: str, min_bytes_override: int | None = None) -> str | None:
+    def codec_why_not(self, call: Call, level: str, min_bytes_override: int | None = None) -> Reason | None:
         """None if `call` runs a `level` quantized all-reduce (tokens None: decided at run time)."""
-        if level not in self.capabilities.quantized_levels:
-            return f"backend {self.name} has no {level} quantized all-reduce"
+        if level not in self.capabilities.codecs:
+            return Reason(Why.NO_KERNEL, f"backend {self.name} has no {level} quantized all-reduce")
         if call.device.type not in self.capabilities.device_types:
-            return f"device {call.device.type} not in {sorted(self.capabilities.device_types)}"
-        reason = self.unavailable(call.device) or self.quantized_problem(call, level)
+            return Reason(Why.DEVICE, f"device {call.device.type} not in {sorted(self.capabilities.device_types)}")
+        reason = self.unavailable(call.device) or self.codec_problem(call, level)
         if reason:
             return reason
         if min_bytes_override is not None:
             floor, source = min_bytes_override, "quantized_allreduce_min_mb"
         else:
-            floor, source = self.quantized_min_bytes(call, level)
+            floor, source = self.codec_min_bytes(call, level)
             if floor is None:
-                return source
+                return Reason(Why.NO_CROSSOVER, source)
         if call.nbytes is not None and call.nbytes < floor:
-            return f"{call.nbytes} bytes per rank < {floor} ({source}): the exact path is faster"
+            return Reason(Why.BELOW_CROSSOVER,
+                          f"{call.nbytes} bytes per rank < {floor} ({source}): the exact path is faster")
         return None
 
-    def prepare_quantized(self, call: Call, level: str) -> str | None:
-        """Run time only, after `quantized_why_not` accepted: ready the kernel's buffers
+    def prepare_codec(self, call: Call, level: str) -> Reason | None:
+        """Run time only, after `codec_why_not` accepted: ready the kernel's buffers
         (collectively, outside CUDA-graph pools, never during capture). None when ready."""
         return None
 
-    def quantized_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
+    def codec_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
         """The sum over the group of `x` ([T, H], contiguous), sent as `level`."""
         raise NotImplementedError
 
@@ -186,11 +180,11 @@ class Backend:
     # anything; never during capture), `all_reduce` returns the sum as a new tensor. A backend
     # without a fast kernel says why not, and the op runs NCCL on the caller's stream.
 
-    def plain_why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
-        """None if this backend's fast all-reduce takes `call` (its `site` is core.PLAIN)."""
-        return f"backend {self.name} has no fast plain all-reduce"
+    def plain_why_not(self, call: Call, max_bytes_override: int | None = None) -> Reason | None:
+        """None if this backend's fast all-reduce takes `call` (its `form` is core.PLAIN)."""
+        return Reason(Why.NO_KERNEL, f"backend {self.name} has no fast plain all-reduce")
 
-    def prepare_plain(self, call: Call) -> str | None:
+    def prepare_plain(self, call: Call) -> Reason | None:
         """Run time only, after `plain_why_not` accepted: None when ready, else why not."""
         return None
 
@@ -201,3 +195,11 @@ class Backend:
     def close(self) -> None:
         """Free what this backend holds (workspaces, IPC buffers). Collective where it made
         anything: call it on every rank, after the last call. Also registered at exit."""
+
+
+def over_cap(call: Call, cap: int | None, source: str) -> Reason | None:
+    """The size rule every kernel shares: fused up to `cap` bytes per rank, inclusive (None: no
+    cap; tokens unknown: decided at run time)."""
+    if cap is not None and call.nbytes is not None and call.nbytes > cap:
+        return Reason(Why.SIZE_CAP, f"{call.nbytes} bytes per rank > cap {cap} ({source})")
+    return None

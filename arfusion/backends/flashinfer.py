@@ -6,7 +6,7 @@ quant kernel (see QUANT_KERNELS).
 
 An all-reduce that is not a site runs the plain one-shot kernel (kAllReduce) on the same
 workspace. The MoE finalize kernel is in flashinfer_moe.py, the quantized all-reduce in
-flashinfer_quantized.py, the ranks' set-up agreement in flashinfer_exchange.py.
+flashinfer_codec.py, the ranks' set-up agreement in flashinfer_exchange.py.
 
 Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`
 and `allreduce_fusion`, always with backend="trtllm". "auto" would pick "mnnvl" on NVSwitch
@@ -39,13 +39,14 @@ import torch
 import torch.distributed as dist
 
 from .. import quant, runtime
+from ..decisions import Reason, Why
 from ..core import NORM_FORMS, Call, flatten_tokens
 from ..runtime import PerGroup, all_ranks_agree, comm_device, hash63, outside_graph_pools
 from . import flashinfer_dispatch as dispatch
 from . import flashinfer_exchange as exchange
 from .flashinfer_moe import FinalizeWorkspaces, MoEFinalize
-from .flashinfer_quantized import WORLD_SIZES, QuantizedAllReduce
-from .base import Backend, Capabilities
+from .flashinfer_codec import WORLD_SIZES, QuantizedAllReduce
+from .base import Backend, Capabilities, over_cap
 
 log = logging.getLogger("arfusion")
 
@@ -54,7 +55,7 @@ warnings.filterwarnings("ignore", message="use the unified API allreduce.py", ca
 
 FI_BACKEND = "trtllm"  # the only FlashInfer backend this module ever asks for
 
-# (Site.quant, Site.emit_norm) -> the AllReduceFusionPattern member that computes the site. Per-group
+# (Form.quant, Form.emit_norm) -> the AllReduceFusionPattern member that computes the site. Per-group
 # FP8 runs code 1, then one compiled quant kernel (codes 8/9 write packed UE8M0 int32 scales, not fp32
 # [T, H/128]). NVFP4 (codes 3/5) only where dispatch.quant_problem allows (SM100+; SM90 writes zeros).
 QUANT_KERNELS = {
@@ -97,8 +98,8 @@ class _GroupState:
     failed: str | None = None  # set on every rank at once; the group then stays unfused
     retired: list = field(default_factory=list)  # outgrown workspaces that graphs may still use
     zeros: dict = field(default_factory=dict)  # dtype -> zero residual for sites without one
-    quantized_ready: bool = False  # the quantized all-reduce's symmetric buffer exists at full size
-    quantized_failed: str | None = None  # set on every rank at once; exact all-reduce from then on
+    codec_ready: bool = False  # the quantized all-reduce's symmetric buffer exists at full size
+    codec_failed: str | None = None  # set on every rank at once; exact all-reduce from then on
     finalize: "FinalizeWorkspaces | None" = None
     finalize_failed: str | None = None  # set on every rank at once; the combine then runs in torch
 
@@ -113,7 +114,7 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
         quants=frozenset(QUANT_KERNELS),
         world_sizes=WORLD_SIZES,
         residual_optional=True,  # fed a zero residual: no FlashInfer pattern norms without one
-        quantized_levels=frozenset({"fp8"}),  # quantized_all_reduce: FP8 e4m3 payload only
+        codecs=frozenset({"fp8"}),  # quantized_all_reduce: FP8 e4m3 payload only
         moe_combine_needs_other_collective=True,
     ))
     # Kernel launch knobs. PDL lets the kernel's launch overlap the previous kernel's tail;
@@ -129,27 +130,27 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
 
     # ------------------------------------------------------------- static decisions
 
-    def unavailable(self, device: torch.device) -> str | None:
+    def unavailable(self, device: torch.device) -> Reason | None:
         if device.type != "cuda" or torch.version.hip:
-            return "needs an NVIDIA CUDA device"
-        return _environment_problem(runtime.device_index(device))
+            return Reason(Why.NO_BACKEND, "needs an NVIDIA CUDA device")
+        problem = _environment_problem(runtime.device_index(device))
+        return Reason(Why.NO_BACKEND, problem) if problem else None
 
-    def shape_check(self, call: Call) -> str | None:
+    def shape_check(self, call: Call) -> Reason | None:
         if call.weight_dtype != call.dtype:
             # The kernel reinterprets gamma as the input dtype: garbage otherwise (vllm#48324).
-            return f"RMSNorm weight dtype {call.weight_dtype} != input dtype {call.dtype}"
+            return Reason(Why.WEIGHT_DTYPE, f"RMSNorm weight dtype {call.weight_dtype} != input dtype {call.dtype}")
         if call.hidden % 8:
-            return f"hidden size {call.hidden} is not a multiple of 8"
-        if call.site.emit_norm not in QUANT_KERNELS[call.site.quant]:
-            return f"no FlashInfer pattern for {call.site.name}"
-        if call.site.quant == "fp8_group" and call.hidden % quant.GROUP_SIZE:
-            return f"hidden size {call.hidden} is not a multiple of the FP8 group size {quant.GROUP_SIZE}"
-        if call.site.quant == "nvfp4" and call.hidden % quant.NVFP4_BLOCK:
-            return f"hidden size {call.hidden} is not a multiple of the NVFP4 block {quant.NVFP4_BLOCK}"
-        if call.nbytes is not None and call.nbytes > dispatch.HARD_MAX_FUSED_BYTES:
-            return (f"{call.nbytes} bytes per rank > {dispatch.HARD_MAX_FUSED_BYTES} "
-                    "(largest FlashInfer workspace arfusion creates)")
-        return None
+            return Reason(Why.SHAPE, f"hidden size {call.hidden} is not a multiple of 8")
+        if call.form.emit_norm not in QUANT_KERNELS[call.form.quant]:
+            return Reason(Why.NO_KERNEL, f"no FlashInfer pattern for {call.form.name}")
+        if call.form.quant == "fp8_group" and call.hidden % quant.GROUP_SIZE:
+            return Reason(Why.SHAPE, f"hidden size {call.hidden} is not a multiple of the FP8 group size "
+                                     f"{quant.GROUP_SIZE}")
+        if call.form.quant == "nvfp4" and call.hidden % quant.NVFP4_BLOCK:
+            return Reason(Why.SHAPE, f"hidden size {call.hidden} is not a multiple of the NVFP4 block "
+                                     f"{quant.NVFP4_BLOCK}")
+        return over_cap(call, dispatch.HARD_MAX_FUSED_BYTES, "the largest FlashInfer workspace arfusion creates")
 
     def facts(self, call: Call) -> "DeviceFacts":
         return device_facts(runtime.device_index(call.device))
@@ -162,32 +163,30 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
         limits = self.limits(call)
         return 0 if limits is None else limits.max_fused_bytes
 
-    def why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+    def why_not(self, call: Call, max_bytes_override: int | None = None) -> Reason | None:
         reason = self.capabilities.why_not(call) or self.unavailable(call.device) or self.shape_check(call)
         if reason:
             return reason
         sm = device_facts(runtime.device_index(call.device)).sm[0]
-        reason = dispatch.quant_problem(call.site.quant, sm, torch.version.cuda)
-        if reason:
-            return reason
+        problem = dispatch.quant_problem(call.form.quant, sm, torch.version.cuda)
+        if problem:
+            return Reason(Why.GPU_ARCH, problem)
         if max_bytes_override is not None:
             cap, source = max_bytes_override, "the configured max_size_mb"
         else:
             limits = self.limits(call)
             if limits is None:
-                return (f"no dispatch entry for SM {sm}x, "
-                        f"world size {call.world_size}, {call.dtype} (run `arfusion tune`)")
+                return Reason(Why.NO_TABLE, f"no dispatch entry for SM {sm}x, world size {call.world_size}, "
+                                            f"{call.dtype} (run `arfusion tune`)")
             cap, source = limits.max_fused_bytes, limits.source
             # Sites that pay one more kernel or pass than the table's plain site have lower caps.
             for applies, lower_cap, name in (
-                    (call.site.quant == "fp8_group", dispatch.group_quant_cap, "per-group FP8 cap (GROUP_QUANT_MAX_MIB)"),
+                    (call.form.quant == "fp8_group", dispatch.group_quant_cap, "per-group FP8 cap (GROUP_QUANT_MAX_MIB)"),
                     (call.input_scaled, dispatch.scaled_input_cap, "scaled-input cap (SCALED_INPUT_MAX_MIB)")):
                 lower = lower_cap(sm, call.world_size) if applies else None
                 if lower is not None and lower < cap:
                     cap, source = lower, name
-        if call.nbytes is not None and call.nbytes > cap:
-            return f"{call.nbytes} bytes per rank > cap {cap} ({source})"
-        return None
+        return over_cap(call, cap, source)
 
     def use_oneshot(self, call: Call) -> bool:
         if call.oneshot is not None:  # tuning and benchmarks force a kernel (two-shot needs T > world)
@@ -200,15 +199,15 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
 
     # ------------------------------------------------------------- run time
 
-    def prepare(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+    def prepare(self, call: Call, max_bytes_override: int | None = None) -> Reason | None:
         state = self._groups.current(call.group_name)
         # Sized for the largest input this configuration fuses (the user's cap, else the table's),
         # so one workspace serves every shape and every captured graph.
         cap = max_bytes_override if max_bytes_override is not None else self.default_max_bytes(call)
         reason = self._ready_workspace(state, call, cap)
         if reason:
-            return reason
-        if not call.site.residual and call.dtype not in state.zeros and not runtime.capturing():
+            return Reason(Why.RUNTIME, reason)
+        if not call.form.residual and call.dtype not in state.zeros and not runtime.capturing():
             state.zeros[call.dtype] = outside_graph_pools(
                 call.device, lambda: torch.zeros(state.capacity_elems, dtype=call.dtype, device=call.device))
         return None
@@ -279,7 +278,7 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
 
     def run(self, call, x, residual, weight, eps, quant_scale):
         fic = importlib.import_module("flashinfer.comm")
-        site, state = call.site, self._groups[call.group_name]
+        site, state = call.form, self._groups[call.group_name]
         x2 = flatten_tokens(x)
         if residual is not None:
             residual_in = flatten_tokens(residual)
@@ -323,30 +322,28 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
 
     # ------------------------------------------------------------- plain all-reduce
 
-    def plain_why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+    def plain_why_not(self, call: Call, max_bytes_override: int | None = None) -> Reason | None:
         """FlashInfer's kAllReduce (one-shot, on the group's workspace) where the plain table says
         it beats NCCL (`dispatch.plain_max_bytes`); tokens None: decided at run time."""
         reason = self.capabilities.why_not_plain(call) or self.unavailable(call.device)
         if reason:
             return reason
         if call.hidden % 8:
-            return f"last dim {call.hidden} is not a multiple of 8"
+            return Reason(Why.SHAPE, f"last dim {call.hidden} is not a multiple of 8")
         if max_bytes_override is not None:
             cap, source = max_bytes_override, "the configured plain_max_size_mb"
         else:
             facts = device_facts(runtime.device_index(call.device))
             cap, source = dispatch.plain_max_bytes(facts.sm[0], facts.name, call.world_size, call.hidden, call.dtype)
             if cap is None:
-                return source
-        cap = min(cap, dispatch.HARD_MAX_FUSED_BYTES)
-        if call.nbytes is not None and call.nbytes > cap:
-            return f"{call.nbytes} bytes per rank > cap {cap} ({source})"
-        return None
+                return Reason(Why.NO_TABLE, source)
+        return over_cap(call, min(cap, dispatch.HARD_MAX_FUSED_BYTES), source)
 
-    def prepare_plain(self, call: Call) -> str | None:
+    def prepare_plain(self, call: Call) -> Reason | None:
         """The group's workspace, the same one the fused sites use (a plain call on it keeps every
         rank's sequence of calls the same), grown if this call needs more."""
-        return self._ready_workspace(self._groups.current(call.group_name), call, self.default_max_bytes(call))
+        reason = self._ready_workspace(self._groups.current(call.group_name), call, self.default_max_bytes(call))
+        return Reason(Why.RUNTIME, reason) if reason else None
 
     def all_reduce(self, call: Call, x: torch.Tensor) -> torch.Tensor:
         fic = importlib.import_module("flashinfer.comm")

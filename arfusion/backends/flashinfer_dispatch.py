@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ..decisions import Reason, Why
+
 MiB = 1 << 20
 CACHE_ENV = "ARFUSION_TUNE_CACHE"
 CACHE_VERSION = 1
@@ -142,15 +144,15 @@ def moe_finalize_opted_in() -> bool:
     return os.environ.get(MOE_FINALIZE_OPT_IN_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def moe_finalize_problem(sm_major: int, world_size: int, tokens: int | None) -> str | None:
+def moe_finalize_problem(sm_major: int, world_size: int, tokens: int | None) -> Reason | None:
     """Why FlashInfer's MoE finalize kernel is not used for this call (tokens None: not known yet)."""
     if not moe_finalize_opted_in():
-        return MOE_FINALIZE_OFF_REASON
+        return Reason(Why.NO_KERNEL, MOE_FINALIZE_OFF_REASON)
     cap = MOE_FINALIZE_MAX_TOKENS.get((sm_major, world_size))
     if cap is None:
-        return f"no MoE-finalize dispatch entry for SM {sm_major}x, world size {world_size}"
+        return Reason(Why.NO_TABLE, f"no MoE-finalize dispatch entry for SM {sm_major}x, world size {world_size}")
     if tokens is not None and tokens > cap:
-        return f"{tokens} tokens > {cap} (MoE finalize pays at decode sizes only)"
+        return Reason(Why.SIZE_CAP, f"{tokens} tokens > {cap} (MoE finalize pays at decode sizes only)")
     return None
 
 
@@ -259,7 +261,7 @@ def limits_for(sm_major: int, gpu_name: str, world_size: int, hidden: int,
     return SEED_TABLE.get((sm_major, world_size, dtype))
 
 
-def quantized_min_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int, dtype: torch.dtype,
+def codec_min_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int, dtype: torch.dtype,
                         level: str) -> tuple[int | None, str]:
     """(per-rank bytes from which the `level` quantized all-reduce is used, where the number comes
     from); None where neither a tuned entry nor the table has one, or tuning found it never pays."""

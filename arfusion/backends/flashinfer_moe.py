@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..decisions import Reason, Why
 from ..core import Call, flatten_tokens
 from ..runtime import outside_graph_pools
 from . import flashinfer_dispatch as dispatch
@@ -50,17 +51,21 @@ class FinalizeWorkspaces:
 class MoEFinalize:
     """The MoE half of the FlashInfer backend (needs its `facts`, `_groups`, `_new_workspace`)."""
 
-    def moe_combine_why_not(self, call: Call, top_k: int, rows: int | None) -> str | None:
+    def moe_combine_why_not(self, call: Call, top_k: int, rows: int | None) -> Reason | None:
         """`trtllm_moe_finalize_allreduce_fusion` where the dispatch table says it pays (decode
         sizes); `why_not(call)` has already accepted the site itself."""
-        if call.site.quant != "none":
-            return "the MoE finalize kernel is used for unquantized sites only"
+        if call.form.quant != "none":
+            return Reason(Why.QUANT_FORM, "the MoE finalize kernel is used for unquantized sites only")
         if rows is not None and rows >= 2 ** 31:
-            return "more permuted rows than an int32 index addresses"
+            return Reason(Why.SHAPE, "more permuted rows than an int32 index addresses")
         sm = self.facts(call).sm[0]
         return dispatch.moe_finalize_problem(sm, call.world_size, call.tokens)
 
-    def prepare_moe_combine(self, call: Call) -> str | None:
+    def prepare_moe_combine(self, call: Call) -> Reason | None:
+        reason = self._finalize_workspaces(call)
+        return Reason(Why.RUNTIME, reason) if reason else None
+
+    def _finalize_workspaces(self, call: Call) -> str | None:
         """The finalize kernel's two workspaces (`FinalizeWorkspaces`), sized for the dispatch
         table's token cap (after `prepare`, which made the ordinary one): made like the ordinary
         one (collectively, outside graph pools, never during capture); a failure leaves the
@@ -132,6 +137,6 @@ class MoEFinalize:
             eps=float(eps), shared_expert_output=None if shared is None else flatten_tokens(shared_in).contiguous(),
             expert_scale_factor=expert_scale.to(call.dtype).contiguous(),
             routed_scaling_factor=None if routed == 1.0 else routed,
-            weight_bias=1.0 if call.site.norm == "gemma_rms" else None)
+            weight_bias=1.0 if call.form.norm == "gemma_rms" else None)
         produced = {"residual": residual_out, "norm": norm_out}
-        return [produced[name] for name in call.site.outputs()]
+        return [produced[name] for name in call.form.outputs()]

@@ -21,27 +21,30 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from .. import reference
+from ..core import Form
+from ..decisions import Reason, Why
 from . import forms, quant_tail
 from .encoding import Encoding, activation_sized
 from .probe import Probe, ProbeError, Prober
 from .quant_tail import QuantPlan
-from .region import OTHER_SHAPE_OPS, REDUCTIONS, SIZED_SHAPE_OPS, Region, ancestors_within, hinted_shape, value
+from ..graph_utils import value
+from .region import OTHER_SHAPE_OPS, REDUCTIONS, SIZED_SHAPE_OPS, Region, ancestors_within, hinted_shape
 
 aten, prims = torch.ops.aten, torch.ops.prims
 _MEMO_SIZE = 256
-SCALED_REASON = "the all-reduced value is scaled before the residual add / norm (e.g. Granite's multiplier)"
-LAYERNORM_REASON = "the norm subtracts the mean (LayerNorm), it is not an RMSNorm"
+SCALED_REASON = Reason(Why.SCALED, "the all-reduced value is scaled before the residual add / norm "
+                                   "(e.g. Granite's multiplier)")
+LAYERNORM_REASON = Reason(Why.LAYERNORM, "the norm subtracts the mean (LayerNorm), it is not an RMSNorm")
 # x / ||x|| = RMSNorm(x) / sqrt(hidden): the kernels' weight is in the activation dtype, where
 # 1/sqrt(hidden) rounds (exact only for powers of 4), so the product would not be exact.
-L2_REASON = ("the norm divides by the L2 norm (x/||x||, nGPT), not by the RMS: that is RMSNorm times "
-             "1/sqrt(hidden), which the fused kernels' weight cannot carry exactly")
-STREAMS_REASON = ("the all-reduced value is multiplied into {k} streams before any norm (hyper-connections: "
-                  "each stream has its own per-token weight), not all_reduce [+ residual] -> RMSNorm")
+L2_REASON = Reason(Why.L2_NORM, "the norm divides by the L2 norm (x/||x||, nGPT), not by the RMS: that is RMSNorm "
+                                "times 1/sqrt(hidden), which the fused kernels' weight cannot carry exactly")
+RETURNED_REASON = Reason(Why.GRAPH_OUTPUT, "no norm reads the all-reduced value in this graph, which returns it")
 
 
 @dataclass(frozen=True)
@@ -49,60 +52,120 @@ class NoSite:
     """Why a region is not a site. `scaled`: the all-reduced value is multiplied or divided before
     the norm, and that is what kept it from being one (the pass then tries the product as the site)."""
 
-    reason: str
+    reason: Reason
     scaled: bool = False
     matched: bool = True  # False: it computes nothing like a site (other candidates' reasons say more)
+    returned: bool = False  # the all-reduced value leaves the graph with no norm in it (graph_breaks)
 
 
 SCALED = NoSite(SCALED_REASON, scaled=True)
-NOT_RMS = NoSite("its computation does not match all_reduce [+ residual] -> RMSNorm numerically", matched=False)
+NOT_RMS = NoSite(Reason(Why.NOT_RMS, "its computation does not match all_reduce [+ residual] -> RMSNorm numerically"),
+                 matched=False)
 
+
+def _no(code: Why, message: str) -> NoSite:
+    return NoSite(Reason(code, message))
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A site in local ids (see `Encoding`); `reason` set when there is none."""
+    """A site in local ids of its region's `Encoding`: what `find_site` memoizes by the region's
+    structure, and what a `Site` maps onto the graph's nodes."""
 
-    reason: str = ""
-    scaled: bool = False  # see NoSite
-    matched: bool = True  # see NoSite
-    norm_out: int = -1
-    nodes: frozenset[int] = frozenset()  # the norm site's nodes (start included)
-    exits: tuple[tuple[int, str], ...] = ()
-    residuals: tuple[int, ...] = ()  # the terms added to the all-reduced value (roots)
-    weight: int | None = None
-    eps: float = 0.0
-    eps_input: int | None = None
-    norm: str = ""
+    norm_out: int
+    node_ids: frozenset[int]  # the norm site's nodes (start included)
+    exits: tuple[tuple[int, str], ...]  # (id, role) of each node read from outside: "residual", "norm", ...
+    residuals: tuple[int, ...]  # the terms added to the all-reduced value (roots)
+    weight: int | None
+    eps: float
+    eps_input: int | None
+    norm: str
     quant: QuantPlan | None = None
 
+    def without_quant(self) -> "Plan":
+        """The same site with the quant tail left outside (the norm output read by it)."""
+        if self.quant is None:
+            return self
+        exits = tuple((i, r) for i, r in self.exits if r in ("residual", "norm"))
+        if not any(r == "norm" for _, r in exits):
+            exits += ((self.norm_out, "norm"),)
+        return replace(self, exits=exits, quant=None)
 
-@dataclass
-class Match:
-    """A site found in the graph (its nodes and inputs), ready to rewrite."""
+
+@dataclass(frozen=True)
+class Site:
+    """A site found in the graph: its `Plan` on the region's nodes, ready to rewrite."""
 
     region: Region
-    norm_out: torch.fx.Node
-    nodes: set[torch.fx.Node]
-    exits: list[tuple[torch.fx.Node, str]]
-    residuals: list[torch.fx.Node]  # summed into the op's residual input
-    weight: torch.fx.Node | None
-    eps: float
-    eps_input: torch.fx.Node | None
-    norm: str
-    quant: str = "none"
-    quant_scale: torch.fx.Node | None = None
-    scale_inverted: bool = False
-    emit_norm: bool = True
-    quant_nodes: set[torch.fx.Node] = field(default_factory=set)
+    plan: Plan
+    enc: Encoding
 
-    def without_quant(self) -> "Match":
-        """The same site with the quant tail left outside (the norm output read by it)."""
-        exits = [(n, r) for n, r in self.exits if r in ("residual", "norm")]
-        if not any(r == "norm" for _, r in exits):
-            exits.append((self.norm_out, "norm"))
-        return replace(self, exits=exits, quant="none", quant_scale=None, scale_inverted=False,
-                       emit_norm=True, nodes=self.nodes - self.quant_nodes, quant_nodes=set())
+    def _node(self, i: int | None) -> torch.fx.Node | None:
+        return None if i is None else self.enc.nodes[i]
+
+    @property
+    def norm_out(self) -> torch.fx.Node:
+        return self.enc.nodes[self.plan.norm_out]
+
+    @property
+    def quant_nodes(self) -> set[torch.fx.Node]:
+        return set() if self.plan.quant is None else {self.enc.nodes[i] for i in self.plan.quant.nodes}
+
+    @property
+    def nodes(self) -> set[torch.fx.Node]:
+        """Every node the fused op replaces (the quant tail's too)."""
+        return {self.enc.nodes[i] for i in self.plan.node_ids} | self.quant_nodes
+
+    @property
+    def exits(self) -> list[tuple[torch.fx.Node, str]]:
+        q = self.plan.quant
+        exits = [(self.enc.nodes[i], r) for i, r in self.plan.exits if r != "norm" or q is None or q.emit_norm]
+        return exits + ([] if q is None else [(self.enc.nodes[i], r) for i, r in q.exits])
+
+    @property
+    def residuals(self) -> list[torch.fx.Node]:
+        """Summed into the op's residual input."""
+        return [self.enc.nodes[r] for r in self.plan.residuals]
+
+    @property
+    def weight(self) -> torch.fx.Node | None:
+        return self._node(self.plan.weight)
+
+    @property
+    def eps(self) -> float:
+        return self.plan.eps
+
+    @property
+    def eps_input(self) -> torch.fx.Node | None:
+        return self._node(self.plan.eps_input)
+
+    @property
+    def norm(self) -> str:
+        return self.plan.norm
+
+    @property
+    def quant(self) -> str:
+        return "none" if self.plan.quant is None else self.plan.quant.form
+
+    @property
+    def quant_scale(self) -> torch.fx.Node | None:
+        return None if self.plan.quant is None else self._node(self.plan.quant.scale_input)
+
+    @property
+    def scale_inverted(self) -> bool:
+        return self.plan.quant is not None and self.plan.quant.scale_inverted
+
+    @property
+    def emit_norm(self) -> bool:
+        return self.plan.quant is None or self.plan.quant.emit_norm
+
+    @property
+    def form(self) -> Form:
+        """What the fused op computes for this site."""
+        return Form(residual=bool(self.plan.residuals), norm=self.norm, quant=self.quant, emit_norm=self.emit_norm)
+
+    def without_quant(self) -> "Site":
+        return replace(self, plan=self.plan.without_quant())
 
 
 class Classifier(Prober):
@@ -112,30 +175,29 @@ class Classifier(Prober):
         super().__init__(enc, device)
         self.quant_forms = quant_forms
 
-    def classify(self) -> Plan:
+    def classify(self) -> Plan | NoSite:
         enc = self.enc
         if value(enc.nodes[0]).dim() < 2:
-            return Plan(reason="the all-reduced tensor has no token dim")
+            return _no(Why.NO_TOKEN_DIM, "the all-reduced tensor has no token dim")
         candidates = [i for i in range(self.region_size - 1, 0, -1) if self._may_be_norm_output(i)]
         if not candidates:
             streams = self._broadcast_streams()
             if streams:
-                return Plan(reason=STREAMS_REASON.format(k=streams))
+                return _no(Why.HYPER_CONNECTIONS, f"the all-reduced value is multiplied into {streams} streams before "
+                           "any norm (hyper-connections: each stream has its own per-token weight), not all_reduce "
+                           "[+ residual] -> RMSNorm")
             if enc.region.hints:
-                return Plan(reason=f"no RMSNorm over the hidden dim reads the all-reduced value "
-                                   f"({'; '.join(enc.region.hints)})")
+                return _no(Why.NO_NORM, f"no RMSNorm over the hidden dim reads the all-reduced value "
+                                        f"({'; '.join(enc.region.hints)})")
             if any(u.op == "output" for n in enc.nodes[:self.region_size] for u in n.users):
-                return Plan(reason="no norm reads the all-reduced value in this graph, which returns it "
-                                   "(after a graph break, the next norm is compiled in another graph; "
-                                   "arfusion.hf.prepare_for_compile(model) removes the graph breaks of "
-                                   "transformers' own code: looped experts, q/k-norm hooks on <= 5.17)")
-            return Plan(reason="no RMSNorm over the hidden dim reads the all-reduced value")
+                return NoSite(RETURNED_REASON, returned=True)
+            return _no(Why.NO_NORM, "no RMSNorm over the hidden dim reads the all-reduced value")
         reasons = []
         for i in candidates:
-            plan = self._norm_site(i)
-            if not plan.reason:
-                return replace(plan, quant=self._quant(plan) if self.quant_forms else None)
-            reasons.append(plan)
+            found = self._norm_site(i)
+            if isinstance(found, Plan):
+                return replace(found, quant=self._quant(found) if self.quant_forms else None)
+            reasons.append(found)
         return _most_telling(reasons)
 
     def _broadcast_streams(self) -> int:
@@ -162,40 +224,40 @@ class Classifier(Prober):
             return False
         return any(n.target in REDUCTIONS for n in ancestors_within(node, self.members))
 
-    def _norm_site(self, out: int) -> Plan:
+    def _norm_site(self, out: int) -> Plan | NoSite:
         enc = self.enc
-        site = enc.ids(ancestors_within(enc.nodes[out], self.members) | {enc.nodes[0]})
-        if self._subtracts_mean(site):
-            return Plan(reason=LAYERNORM_REASON)
+        ids = enc.ids(ancestors_within(enc.nodes[out], self.members) | {enc.nodes[0]})
+        if self._subtracts_mean(ids):
+            return NoSite(LAYERNORM_REASON)
         by_role: dict[str, list[int]] = {}
-        for r in enc.site_roots(set(site)):
+        for r in enc.site_roots(set(ids)):
             by_role.setdefault(self.role_of_root(r), []).append(r)
         if by_role.get("other"):
             shapes = [hinted_shape(enc.nodes[r]) for r in by_role["other"]]
-            return Plan(reason=f"the norm also reads tensors of shape {shapes}")
+            return _no(Why.OTHER_INPUTS, f"the norm also reads tensors of shape {shapes}")
         residuals = tuple(sorted(by_role.get("activation", [])))
         if len(residuals) > forms.MAX_RESIDUAL_TERMS:
-            return Plan(reason=f"more than {forms.MAX_RESIDUAL_TERMS} activation-sized terms are added")
+            return _no(Why.RESIDUAL_TERMS, f"more than {forms.MAX_RESIDUAL_TERMS} activation-sized terms are added")
         if len(by_role.get("vector", [])) > 1 or len(by_role.get("scalar", [])) > 1:
-            return Plan(reason="the norm reads more than one weight or scalar")
+            return _no(Why.NORM_INPUTS, "the norm reads more than one weight or scalar")
         weight = (by_role.get("vector") or [None])[0]
         eps_input = (by_role.get("scalar") or [None])[0]
         if any(value(enc.nodes[r]).dtype != self.dtype for r in residuals):
-            return Plan(reason="a term added to the all-reduced value has another dtype")
+            return _no(Why.RESIDUAL_DTYPE, "a term added to the all-reduced value has another dtype")
         try:
-            found = self._norm_numerics(site, out, residuals, weight, eps_input)
+            found = self._norm_numerics(ids, out, residuals, weight, eps_input)
             if isinstance(found, NoSite):
-                return Plan(reason=found.reason, scaled=found.scaled, matched=found.matched)
+                return found
             norm, eps, probe, env = found
             if weight is not None and value(enc.nodes[weight]).dtype != self.dtype:
-                return Plan(reason=f"the norm weight is {value(enc.nodes[weight]).dtype}, the activations "
-                                   f"{self.dtype} (the fused kernels need one dtype; vllm#48324)")
-            exits = self._norm_exits(site, out, residuals, probe, env)
+                return _no(Why.WEIGHT_DTYPE, f"the norm weight is {value(enc.nodes[weight]).dtype}, the activations "
+                                             f"{self.dtype} (the fused kernels need one dtype; vllm#48324)")
+            exits = self._norm_exits(ids, out, residuals, probe, env)
         except ProbeError as e:
-            return Plan(reason=f"could not evaluate the norm candidate: {e}")
-        if isinstance(exits, str):
-            return Plan(reason=exits)
-        return Plan(norm_out=out, nodes=site, exits=exits, residuals=residuals, weight=weight,
+            return _no(Why.PROBE_FAILED, f"could not evaluate the norm candidate: {e}")
+        if isinstance(exits, NoSite):
+            return exits
+        return Plan(norm_out=out, node_ids=ids, exits=exits, residuals=residuals, weight=weight,
                     eps=0.0 if eps_input is not None else eps, eps_input=eps_input, norm=norm)
 
     def _residual_sum(self, probe: Probe, residuals) -> tuple[torch.Tensor, torch.Tensor | float]:
@@ -217,7 +279,7 @@ class Classifier(Prober):
         magnitude = sum(x.abs().double() for x in (reduced, *terms))
         return h, len(terms) * forms.ulp(magnitude, self.dtype)
 
-    def _norm_numerics(self, site, out, residuals, weight, eps_input):
+    def _norm_numerics(self, ids, out, residuals, weight, eps_input):
         """(norm form, eps, probe, real values) or the reason it is not an RMSNorm."""
         y_node = self.enc.nodes[out]
         kinds = ("plain", "offset") if weight is not None else ("none",)
@@ -225,24 +287,27 @@ class Classifier(Prober):
         probes = [self.inputs(residuals, weight, {} if e is None else {eps_input: e}) for e in eps_values]
         h64 = self.given(probes[0], 0, True) + sum((self.given(probes[0], r, True) for r in residuals), 0)
         w64 = self.given(probes[0], weight, True)
-        exact_outputs = [self.rows(self.run(site, p, exact=True)[y_node]) for p in probes]
+        exact_outputs = [self.rows(self.run(ids, p, exact=True)[y_node]) for p in probes]
         for kind in kinds:
             factor = forms.weight_factor(kind, w64)
             solved = [forms.solve_eps(h64, y64, factor) for y64 in exact_outputs]
             if any(e is None or not forms.close_exact(y64, forms.exact_rms(h64, factor, e))
                    for e, y64 in zip(solved, exact_outputs)):
                 continue
-            if eps_input is not None and any(abs(e - g) > 1e-6 * g for e, g in zip(solved, eps_values)):
-                return SCALED if self._scaled_start() else NoSite("a scalar input other than eps changes the norm")
+            # The eps each probe gave, as its dtype holds it (a bf16 buffer rounds 1e-5).
+            given = [self.given(p, eps_input, True).item() for p in probes] if eps_input is not None else []
+            if any(abs(e - g) > 1e-6 * g for e, g in zip(solved, given)):
+                return SCALED if self._scaled_start() else _no(Why.EPS_SCALAR,
+                                                                "a scalar input other than eps changes the norm")
             break
         else:
             if self._is_l2_norm(h64, w64, exact_outputs, kinds):
                 return NoSite(L2_REASON)
-            return self._not_rms_reason(site)
+            return self._not_rms_reason(ids)
         # With the real dtypes: within the rounding of the fused kernels, which normalise the
         # rounded residual sum in fp32 and round once.
-        probe, eps = probes[-1], self._written_eps(site, solved[-1])
-        env = self.run(site, probe, exact=False)
+        probe, eps = probes[-1], self._written_eps(ids, solved[-1])
+        env = self.run(ids, probe, exact=False)
         y_real = self.rows(env[y_node])
         h_rounded, order_slack = self._residual_sum(probe, residuals)
         kernel = forms.exact_rms(h_rounded.double(), factor, eps)
@@ -252,8 +317,8 @@ class Classifier(Prober):
         if not forms.within_ulps(y_real, kernel, self.dtype, forms.NORM_ULPS[self.dtype], extra=carried):
             if self._scaled_start():
                 return SCALED
-            return NoSite("computes RMSNorm, but rounds differently from the fused kernels by more than "
-                          f"{forms.NORM_ULPS[self.dtype]} ulp (e.g. normalised in {self.dtype}, not fp32)")
+            return _no(Why.ROUNDING, "computes RMSNorm, but rounds differently from the fused kernels by more than "
+                                     f"{forms.NORM_ULPS[self.dtype]} ulp (e.g. normalised in {self.dtype}, not fp32)")
         w_real = self.given(probe, weight, False)
 
         def mismatches(norm: str) -> int:
@@ -270,19 +335,19 @@ class Classifier(Prober):
                 return True
         return False
 
-    def _written_eps(self, site, solved: float) -> float:
+    def _written_eps(self, ids, solved: float) -> float:
         """The float literal of the site that `solved` recovered (exact, as the model wrote it),
         or `solved` itself when eps is not written as one literal."""
-        literals = [a for i in site for a in self.enc.nodes[i].args if type(a) is float]
+        literals = [a for i in ids for a in self.enc.nodes[i].args if type(a) is float]
         near = [a for a in literals if abs(a - solved) <= forms.EPS_SNAP_RTOL * max(abs(a), 1e-300)]
         return min(near, key=lambda a: abs(a - solved)) if near else solved
 
-    def _subtracts_mean(self, site) -> bool:
-        targets = {self.enc.nodes[i].target for i in site}
+    def _subtracts_mean(self, ids) -> bool:
+        targets = {self.enc.nodes[i].target for i in ids}
         return bool(targets & {aten.var_mean.correction, aten.var.correction, aten.native_layer_norm.default})
 
-    def _not_rms_reason(self, site) -> NoSite:
-        if self._subtracts_mean(site) or aten.sub.Tensor in {self.enc.nodes[i].target for i in site}:
+    def _not_rms_reason(self, ids) -> NoSite:
+        if self._subtracts_mean(ids) or aten.sub.Tensor in {self.enc.nodes[i].target for i in ids}:
             return NoSite(LAYERNORM_REASON)
         if self._scaled_start():
             return SCALED
@@ -292,13 +357,13 @@ class Classifier(Prober):
         start = self.enc.nodes[0]
         return any(u in self.members and u.target in (aten.mul.Tensor, aten.div.Tensor) for u in start.users)
 
-    def _norm_exits(self, site, out, residuals, probe, env):
-        """Every site node read from outside gets a role, or the reason why one cannot."""
+    def _norm_exits(self, ids, out, residuals, probe, env):
+        """Every node of the site read from outside gets a role, or the reason why one cannot."""
         enc = self.enc
-        site_nodes = {enc.nodes[i] for i in site}
+        site_nodes = {enc.nodes[i] for i in ids}
         h, order_slack = self._residual_sum(probe, residuals)
         exits = []
-        for i in sorted(site):
+        for i in sorted(ids):
             node = enc.nodes[i]
             if i == out:
                 exits.append((i, "norm"))
@@ -311,58 +376,40 @@ class Classifier(Prober):
                 exits.append((i, "residual"))
                 continue
             if i == 0 and residuals:
-                return "the all-reduced value itself is also read elsewhere (only its sum with the residual can be)"
-            return f"an intermediate ({node.name}, {node.target}) is also read outside the site"
+                return _no(Why.READ_ELSEWHERE, "the all-reduced value itself is also read elsewhere (only its sum "
+                                               "with the residual can be)")
+            return _no(Why.READ_ELSEWHERE, f"an intermediate ({node.name}, {node.target}) is also read outside the ids")
         return tuple(exits)
 
     def _quant(self, plan: Plan) -> QuantPlan | None:
-        return quant_tail.find(self, self.quant_forms, norm_out=plan.norm_out, site=plan.nodes,
+        return quant_tail.find(self, self.quant_forms, norm_out=plan.norm_out, node_ids=plan.node_ids,
                                residuals=plan.residuals, weight=plan.weight, eps_input=plan.eps_input)
 
 
-def _most_telling(plans: list[Plan]) -> Plan:
-    """The failed plan of the candidate that came closest (an RMSNorm with a problem beats 'no match')."""
-    return next((p for p in plans if p.matched), plans[0])
+def _most_telling(failed: list[NoSite]) -> NoSite:
+    """The reason of the candidate that came closest (an RMSNorm with a problem beats 'no match')."""
+    return next((n for n in failed if n.matched), failed[0])
 
 
 # ------------------------------------------------------------------ entry point
 
-_memo: "OrderedDict[tuple, Plan]" = OrderedDict()
+_memo: "OrderedDict[tuple, Plan | NoSite]" = OrderedDict()
 
 
-def find_site(region: Region, quant_forms: tuple[str, ...]) -> Match | NoSite:
+def find_site(region: Region, quant_forms: tuple[str, ...]) -> Site | NoSite:
     """The site `region` computes, or why it is none."""
     enc = Encoding(region)
     key = (enc.key, quant_forms, tuple(region.hints))  # hints name nodes outside the region
-    plan = _memo.get(key)
-    if plan is None:
+    found = _memo.get(key)
+    if found is None:
         device = value(region.start).device
-        plan = Classifier(enc, quant_forms, device).classify()
-        _memo[key] = plan
+        found = Classifier(enc, quant_forms, device).classify()
+        _memo[key] = found
         if len(_memo) > _MEMO_SIZE:
             _memo.popitem(last=False)
     else:
         _memo.move_to_end(key)
-    if plan.reason:
-        return NoSite(plan.reason, plan.scaled, plan.matched)
-    return _materialize(plan, enc)
-
-
-def _materialize(plan: Plan, enc: Encoding) -> Match:
-    node = enc.nodes.__getitem__
-    site = Match(region=enc.region, norm_out=node(plan.norm_out), nodes={node(i) for i in plan.nodes},
-                exits=[(node(i), r) for i, r in plan.exits],
-                residuals=[node(r) for r in plan.residuals],
-                weight=None if plan.weight is None else node(plan.weight), eps=plan.eps,
-                eps_input=None if plan.eps_input is None else node(plan.eps_input), norm=plan.norm)
-    q = plan.quant
-    if q is None:
-        return site
-    quant_nodes = {node(i) for i in q.nodes}
-    exits = [(n, r) for n, r in site.exits if r != "norm" or q.emit_norm] + [(node(i), r) for i, r in q.exits]
-    return replace(site, nodes=site.nodes | quant_nodes, quant_nodes=quant_nodes, exits=exits, quant=q.form,
-                   quant_scale=None if q.scale_input is None else node(q.scale_input),
-                   scale_inverted=q.scale_inverted, emit_norm=q.emit_norm)
+    return found if isinstance(found, NoSite) else Site(region, found, enc)
 
 
 clear_memo = _memo.clear

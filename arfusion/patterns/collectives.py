@@ -28,11 +28,10 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import WAIT
+from ..graph_utils import WAIT, Builder, same_shape, value
 from .reduced import (MOVES, REGROUPINGS, into_residual_stream, reduced_source, reduced_term,
                       replace_with_all_reduce)
-from .region import CONVERT, by_a_number, is_add, same_shape, value, widened_sum
-from .rewrite import Builder
+from .region import CONVERT, by_a_number, is_add, widened_sum
 from .scaled import distribute_a_factor
 
 aten = torch.ops.aten

@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from .region import CONSTANT_PRODUCERS, LIKE_OPS, Region, hinted_shape, is_pointwise, value
+from ..graph_utils import value
+from .region import CONSTANT_PRODUCERS, LIKE_OPS, Region, hinted_shape, is_pointwise
 
 CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 

@@ -32,10 +32,11 @@ import torch
 
 from .. import reference
 from . import forms
-from .classify import Match
+from .classify import Site
 from .probe import ProbeError, evaluate
 from .region import CONVERT as CAST
-from .region import by_a_number, hint, hinted_shape, is_add, reduce_dims, same_shape, value, widened_sum
+from ..graph_utils import same_shape, value
+from .region import by_a_number, hint, hinted_shape, is_add, reduce_dims, widened_sum
 
 aten = torch.ops.aten
 VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
@@ -145,7 +146,7 @@ def feeds_combine(all_reduce: torch.fx.Node) -> bool:
     return _is_combine_sum(_split_shared(all_reduce.args[0], all_reduce)[0])
 
 
-def find(site: Match) -> Combine | str:
+def find(site: Site) -> Combine | str:
     """The combine feeding `site`'s all-reduce, or why there is none."""
     region = site.region
     total, shared, routed_scale, tail, reader = _split_shared(region.x, region.all_reduce)

@@ -20,7 +20,8 @@ import torch
 
 from . import forms
 from .encoding import Encoding, activation_sized
-from .region import CONSTANT_PRODUCERS, SIZED_SHAPE_OPS, hint, hinted_shape, probe_shape, value
+from ..graph_utils import value
+from .region import CONSTANT_PRODUCERS, SIZED_SHAPE_OPS, hint, hinted_shape, probe_shape
 
 aten, prims = torch.ops.aten, torch.ops.prims
 

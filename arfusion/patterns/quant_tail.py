@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant as quant_ref
-from ..graph_utils import FP8_DTYPES
+from ..graph_utils import FP8_DTYPES, value
 from . import forms
 from .probe import ProbeError, Prober
-from .region import ancestors_within, value
+from .region import ancestors_within
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,10 @@ class QuantPlan:
     exits: tuple[tuple[int, str], ...]  # (local id, role) read from outside
 
 
-def find(prober: Prober, quant_forms: tuple[str, ...], *, norm_out: int, site: frozenset[int],
+def find(prober: Prober, quant_forms: tuple[str, ...], *, norm_out: int, node_ids: frozenset[int],
          residuals: tuple[int, ...], weight: int | None, eps_input: int | None) -> QuantPlan | None:
     """The quantization of the norm output the region computes next, if one of `quant_forms`.
-    The norm site (`classify.Plan`): its output `norm_out`, its nodes `site` and inputs, all
+    The norm site (`classify.Plan`): its output `norm_out`, its nodes `node_ids` and inputs, all
     local ids of `prober.enc`."""
     enc = prober.enc
     out = enc.nodes[norm_out]
@@ -52,14 +52,14 @@ def find(prober: Prober, quant_forms: tuple[str, ...], *, norm_out: int, site: f
         return None
     scale_root = next(iter(roots), None)
     exits = [n for n in sorted(nodes, key=enc.local.get) if any(u not in nodes for u in n.users)]
-    site_nodes = {enc.nodes[i] for i in site}
+    site_nodes = {enc.nodes[i] for i in node_ids}
     emit_norm = any(u not in nodes and u not in site_nodes for u in out.users)
     scalars = {} if scale_root is None else {scale_root: forms.QUANT_SCALE_PROBE}
     if eps_input is not None:
         scalars[eps_input] = forms.EPS_TENSOR_PROBES[0]
     try:
         probe = prober.inputs(residuals, weight, scalars)
-        env = prober.run(site | ids, probe, exact=False)
+        env = prober.run(node_ids | ids, probe, exact=False)
     except ProbeError:
         return None
     for form in quant_forms:

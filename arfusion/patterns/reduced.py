@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from ..graph_utils import ALL_REDUCE, WAIT
-from .region import by_a_number, same_shape, value
-from .rewrite import Builder
+from ..graph_utils import ALL_REDUCE, WAIT, Builder, same_shape, value
+from .region import by_a_number
 
 aten = torch.ops.aten
 REGROUPINGS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}

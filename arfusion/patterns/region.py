@@ -18,9 +18,8 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..graph_utils import ALL_REDUCE, WAIT
+from ..graph_utils import ALL_REDUCE, WAIT, value
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -46,16 +45,6 @@ def is_pointwise(node: torch.fx.Node) -> bool:
     target = node.target
     return (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
             and torch.Tag.nondeterministic_seeded not in target.tags)
-
-
-def value(node) -> object:
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    """Whether two nodes' values have the same shape (symbolic sizes: provably equal)."""
-    have, want = value(a).shape, value(b).shape
-    return len(have) == len(want) and all(statically_known_true(i == j) for i, j in zip(have, want))
 
 
 def is_add(node: torch.fx.Node) -> bool:

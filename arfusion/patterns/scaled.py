@@ -13,9 +13,9 @@ import math
 
 import torch
 
+from ..graph_utils import Builder, same_shape, value
 from .reduced import REGROUPINGS, into_residual_stream, reduced_source
-from .region import CONVERT, by_a_number, is_add, same_shape, value
-from .rewrite import Builder
+from .region import CONVERT, by_a_number, is_add
 
 aten = torch.ops.aten
 

@@ -18,6 +18,14 @@ stage() {
 }
 
 TORCHRUN="python -m torch.distributed.run --nproc-per-node"
+# TRANSFORMERS_WHEEL=path: run the stages with that transformers (carried in .whl/), not the machine's.
+if [ -n "${TRANSFORMERS_WHEEL:-}" ]; then
+  tf_dir=/tmp/transformers-$(basename "$TRANSFORMERS_WHEEL" .whl)
+  [ -d "$tf_dir" ] || python -m pip install -q --no-deps --no-compile --target "$tf_dir" "$TRANSFORMERS_WHEEL"
+  export PYTHONPATH="$tf_dir:$PYTHONPATH"
+fi
+TF_TAG=$(python -c "import transformers; print(transformers.__version__)" 2>/dev/null)
+CB_MODELS="${CB_MODELS:-llama,qwen3_moe,aria_text,gemma3_text}"
 GPU_TESTS=tests/gpu/test_gpu_flashinfer.py
 
 for s in "$@"; do
@@ -60,7 +68,7 @@ for s in "$@"; do
       cat /tmp/qchecks2.log ;;
     point4) stage point4 "${LIMIT:-60}" $TORCHRUN 4 benchmarks/bench_fused_op.py --hidden 4096 --tokens 2048 \
       --replays 300 --out "$OUT/point4" ;;
-    # End to end (issue 6): the headline phases on GPUs 0,1 beside the host-bound ones on GPUs 2,3;
+    # End to end (Llama-3-8B shape): the headline phases on GPUs 0,1 beside the host-bound ones on GPUs 2,3;
     # each writes its own JSON (tag a / b) after every phase.
     decode2) stage decode2 "${LIMIT:-540}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases startup decode accuracy kernels \
       --tag a --ckpt-dir /tmp/ckpt-a --budget-s 440 --out "$OUT" ;;
@@ -77,7 +85,7 @@ for s in "$@"; do
       --tag b --budget-s 470 --out "$OUT" ;;
     prefill4) stage prefill4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases prefill --tag prefill \
       --out "$OUT" ;;
-    # MoE (issue 13): Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, fewer layers, decode + accuracy, and
+    # MoE decode: Qwen3-30B-A3B and DeepSeek-V2-Lite shapes, fewer layers, decode + accuracy, and
     # the profiler's GPU time per step by kernel kind (how much of the step the all-reduces are at all).
     moe2) for model in ${MOE_MODELS:-qwen3_moe deepseek_v2}; do
         stage "moe2-$model" "${LIMIT:-280}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --model-type "$model" \
@@ -92,7 +100,7 @@ for s in "$@"; do
           --phases ${MOE_PHASES:-decode accuracy kernels} --batches 1 8 --steps 8 --ckpt-dir /tmp/ckpt-moe --tag finalize --out "$OUT"
       done ;;
     # The MoE site as the pass emits it by default (compiled combine + fused site) against unfused, timed.
-    # Issue 13's grid (K 8, 2, 6; hidden 2048, 4096, 7168; T 1..512), K = 8 first; no case starts after
+    # The MoE site's whole grid (K 8, 2, 6; hidden 2048, 4096, 7168; T 1..512), K = 8 first; no case starts after
     # the budget, so the stage ends with what it measured.
     moesite2) stage moesite2 "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --no-finalize \
       --budget-s $(( ${LIMIT:-240} - 60 )) --out "$OUT/moe_site" ;;
@@ -104,14 +112,14 @@ for s in "$@"; do
     queue1shared) stage queue1shared "${LIMIT:-240}" $TORCHRUN 2 benchmarks/probes/probe_shared_gpu_queue.py ;;
     moecheck1shared) stage moecheck1shared "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_moe_combine.py --shared-gpu \
       --budget-s $(( ${LIMIT:-300} - 90 )) --out "$OUT/moe_combine_shared_gpu" ;;
-    # The floor under the MoE decode targets (issue 13), on one GPU: one rank's share of the TP=2 model
+    # The floor under the MoE decode targets, on one GPU: one rank's share of the TP=2 model
     # run alone (no communication), the same graph-captured step as moe2 times at TP=2.
     floor1) for model in ${MOE_MODELS:-deepseek_v2 qwen3_moe}; do
         stage "floor1-$model" "${LIMIT:-200}" $TORCHRUN 1 benchmarks/bench_hf_decode.py --model-type "$model" \
           --layers ${MOE_LAYERS:-8} --rank-of 2 --phases ${MOE_PHASES:-decode kernels} --batches 1 8 \
           --ckpt-dir /tmp/ckpt-floor --tag rank_of_2 --out "$OUT"
       done ;;
-    # Quantized all-reduce (issue 14 part 3): op level at 1-64 MiB per rank (bench_quantized_w2.json),
+    # Quantized all-reduce: op level at 1-64 MiB per rank (bench_quantized_w2.json),
     # then a Llama-3-8B-shaped prefill off / on / on + fp8 (decode_llama_w2_quantized.json).
     # quantized2 runs both, one after the other (limits 200 + 390 s: near a 10-minute command with
     # setup; where that is the cap, run qop2 and qprefill2 as two commands).
@@ -119,7 +127,7 @@ for s in "$@"; do
     qprefill2) stage qprefill2 "${LIMIT:-390}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases prefill \
       --prefill ${PREFILL:-512 2048 8192} --quantized fp8 --replays 30 --tag quantized --ckpt-dir /tmp/ckpt-a --out "$OUT" ;;
     quantized2) bash "$0" qop2; bash "$0" qprefill2 ;;
-    # Issue 14's trained-model accuracy where only one GPU is lent: train the default model on the GPU,
+    # The trained-model accuracy (docs/accuracy.md) where only one GPU is lent: train the default model on the GPU,
     # then evaluate it at TP=2 on the machine's CPUs (gloo, torch backend: exact, and each quantized
     # level emulated in the format of the GPU kernels). The GPU TP=2 evaluation is acc2.
     trainacc1)
@@ -149,8 +157,8 @@ for s in "$@"; do
     first2) stage first2 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[2]" ;;
     first4) stage first4 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[4]" ;;
     # Where only one GPU is lent (tests/gpu/shared_gpu.py: both ranks on GPU 0, gloo, what is computed,
-    # not speed): issue 15's awkward inputs and soak through FlashInfer, two such jobs at once on the
-    # one GPU (each its own IPC workspace), and issue 14's trained model with FlashInfer's exact kernels.
+    # not speed): the awkward inputs and soak through FlashInfer, two such jobs at once on the
+    # one GPU (each its own IPC workspace), and the trained model with FlashInfer's exact kernels.
     bad1shared) stage bad1shared "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_bad_inputs.py --shared-gpu \
       --out "$OUT/bad_inputs_shared_gpu" ;;
     soak1shared) SOAK_HANG_S=$(( ${LIMIT:-300} - 15 )) stage soak1shared "${LIMIT:-300}" $TORCHRUN 2 \
@@ -166,7 +174,7 @@ for s in "$@"; do
       stage fastar2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_fast_all_reduce.py --out "$OUT/fast_all_reduce" ;;
     fastar1shared) CHECK_HANG_S=$(( ${LIMIT:-300} - 15 )) stage fastar1shared "${LIMIT:-300}" $TORCHRUN 2 \
       tests/gpu/check_fast_all_reduce.py --shared-gpu --out "$OUT/fast_all_reduce_shared_gpu" ;;
-    faults1shared)  # issue 15's faults with the real FlashInfer: a cache hit in fresh processes, a rank failing
+    faults1shared)  # the faults of docs/reliability.md with the real FlashInfer: a cache hit in fresh processes, a rank failing
       for c in ${FAULT_CASES:-cold warm fail_build low_memory}; do
         stage "faults1shared-$c" "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_faults.py --shared-gpu --case $c \
           --cache /tmp/arfusion-fault-cache --out "$OUT/faults_shared_gpu"
@@ -190,6 +198,26 @@ for s in "$@"; do
     train1) stage train1 "${LIMIT:-200}" python benchmarks/train_tiny_llama.py --out /tmp/ckpt-acc --steps ${STEPS:-800}
       cp /tmp/ckpt-acc/train_meta.json "$OUT/accuracy_gpu_train_meta.json" 2>/dev/null ;;
     plot) stage plot 30 python benchmarks/bench_fused_op.py --plot "$OUT"/bench_w2.json "$OUT"/bench_w4.json --png "$OUT/bench_fused_op.png" ;;
+    # transformers' continuous batching with the pass (tests/gpu/check_continuous_batching.py): both
+    # ranks on GPU 0 (shared) or one GPU each (2); with transformers' own CUDA graphs (graphs).
+    cbshared) stage cbshared "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_continuous_batching.py --shared-gpu \
+      --models "$CB_MODELS" --out "$OUT/cb_shared_tf$TF_TAG" ;;
+    cbgraphsshared) stage cbgraphsshared "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_continuous_batching.py \
+      --shared-gpu --cuda-graphs --models "$CB_MODELS" --out "$OUT/cb_shared_tf$TF_TAG" ;;
+    cb2) stage cb2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_continuous_batching.py --two-gpus \
+      --models "$CB_MODELS" --out "$OUT/cb_w2_tf$TF_TAG" ;;
+    cbgraphs2) stage cbgraphs2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_continuous_batching.py --two-gpus \
+      --cuda-graphs --models "$CB_MODELS" --out "$OUT/cb_w2_tf$TF_TAG" ;;
+    # Serving throughput (benchmarks/bench_serving.py): TP=2's host path on one GPU (fake2), both ranks
+    # on one GPU end to end (shared), two and four GPUs (serve2, serve4).
+    servefake2) stage servefake2 "${LIMIT:-400}" python benchmarks/bench_serving.py --fake-world 2 \
+      --model-type "${SERVE_MODEL:-llama}" --layers "${SERVE_LAYERS:-8}" --out "$OUT/serving" ;;
+    serveshared) stage serveshared "${LIMIT:-200}" $TORCHRUN 2 benchmarks/bench_serving.py --shared-gpu --tiny \
+      --mixes 1,16 --prompt 64 --new 16 --repeats 1 --out "$OUT/serving" ;;
+    serve2) stage serve2 "${LIMIT:-500}" $TORCHRUN 2 benchmarks/bench_serving.py --model-type "${SERVE_MODEL:-llama}" \
+      ${SERVE_LAYERS:+--layers $SERVE_LAYERS} --out "$OUT/serving" ;;
+    serve4) stage serve4 "${LIMIT:-500}" $TORCHRUN 4 benchmarks/bench_serving.py --model-type "${SERVE_MODEL:-llama}" \
+      ${SERVE_LAYERS:+--layers $SERVE_LAYERS} --out "$OUT/serving" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -9,7 +9,7 @@
 set -u
 tag=$1 deadline=$2
 shift 2
-results=/tmp/arfusion-results
+results=${RESULTS:-/tmp/arfusion-results-$tag}
 mkdir -p "$results" "${OUT:?}"
 log="$OUT/log_$tag.txt"
 start=$SECONDS

@@ -18,10 +18,10 @@ from arfusion import quant, runtime, tuning
 
 def main():
     from arfusion import reference
-    from arfusion.core import Site
+    from arfusion.core import Form
 
     torch.cuda.set_device(0)
-    site = Site(residual=True, norm="rms", quant="fp8_dynamic", emit_norm=False)
+    site = Form(residual=True, norm="rms", quant="fp8_dynamic", emit_norm=False)
     weight = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
 
     def norm_quant(fn):  # the compiled fallback's kernel: add + RMSNorm + per-token quant

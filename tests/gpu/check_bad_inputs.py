@@ -1,4 +1,4 @@
-"""Issue 15's awkward inputs on GPUs, through the FlashInfer backend. Not collected by pytest.
+"""The awkward inputs of tests/bad_input_cases.py on GPUs, through the FlashInfer backend. Not collected by pytest.
 
     torchrun --nproc-per-node 2 tests/gpu/check_bad_inputs.py --out DIR               # two GPUs, NCCL
     torchrun --nproc-per-node 2 tests/gpu/check_bad_inputs.py --shared-gpu --out DIR  # one GPU (shared_gpu.py)
@@ -57,7 +57,7 @@ def markdown(results: dict, meta: dict) -> str:
     for name, r in results.items():
         s = r["stats"]
         verdict = "correct" if r["ok"] else f"WRONG: {r.get('error') or r['problems']}"
-        why = "; ".join(s["why_not"]) if s["why_not"] else ""
+        why = "; ".join(f"{code} ×{n}" for code, n in s["why_not_codes"].items())
         lines.append(f"| {name} | {verdict} | {r.get('err', float('nan')):.2e} | {s['fused_sites']} / "
                      f"{s['unfused_sites']} | {s['dispatch']} | {why} | {r['seconds']} |")
     lines += ["", f"command: `{meta['command']}`", ""]

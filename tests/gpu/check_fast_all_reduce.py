@@ -83,7 +83,7 @@ def check(name: str, device: torch.device, rank: int, tokens: int) -> dict:
         stats = arfusion.stats()
         result[mode] = {"rel_err": rel_err(got, want), "fused_sites": stats["fused_sites"],
                         "fast_path_all_reduces": stats["fast_path_all_reduces"], "dispatch": stats["dispatch"],
-                        "why_not": stats["why_not"]}
+                        "why_not_codes": stats["why_not_codes"]}
         del compiled
     torch._dynamo.reset()  # cudagraph trees shut down before the group goes
     return result
@@ -116,9 +116,10 @@ def main() -> int:
         Path(args.out, "fast_all_reduce.json").write_text(json.dumps(everyone, indent=1))
         print(json.dumps(everyone, indent=1), flush=True)
     from arfusion.backends import get_backend
+    from arfusion.decisions import Reason
 
     backend = get_backend("flashinfer")
-    if not isinstance(backend, str):
+    if not isinstance(backend, Reason):
         backend.close()
     dist.barrier()
     dist.destroy_process_group()

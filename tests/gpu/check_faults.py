@@ -1,4 +1,4 @@
-"""Issue 15's faults on GPUs with the real FlashInfer backend. Not collected by pytest.
+"""The faults of docs/reliability.md on GPUs with the real FlashInfer backend. Not collected by pytest.
 
     torchrun --nproc-per-node 2 tests/gpu/check_faults.py --case CASE --cache DIR --out DIR [--shared-gpu]
 

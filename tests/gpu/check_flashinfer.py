@@ -26,10 +26,11 @@ from arfusion import reference
 from arfusion.backends import flashinfer as fi_module
 from arfusion.backends import flashinfer_dispatch as dispatch
 from arfusion.backends import get_backend
-from arfusion.core import Call, Site
+from arfusion.decisions import Reason
+from arfusion.core import Call, Form
 
 EPS = 1e-6
-SITES = [Site(True, "rms"), Site(False, "rms"), Site(True, "gemma_rms"), Site(False, "gemma_rms")]
+SITES = [Form(True, "rms"), Form(False, "rms"), Form(True, "gemma_rms"), Form(False, "gemma_rms")]
 FORCED = dispatch.HARD_MAX_FUSED_BYTES  # a cap that lets FlashInfer take every size it can
 
 
@@ -91,13 +92,14 @@ def inputs(tokens, hidden, site, device, seed):
 
 def op(x, res, w, site, group_name, max_bytes):
     return torch.ops.arfusion.fused_allreduce_rmsnorm(
-        x, res, w, EPS, None, group_name, site.norm, "none", None, True, "flashinfer", max_bytes)
+        x=x, residual=res, weight=w, eps=EPS, eps_tensor=None, group_name=group_name, norm=site.norm,
+        quant="none", quant_scale=None, emit_norm=True, backend="flashinfer", max_bytes=max_bytes)
 
 
 def expected_path(backend, x, site, group_name, world, max_bytes):
-    call = Call(site=site, tokens=x.shape[0], hidden=x.shape[1], dtype=x.dtype, weight_dtype=x.dtype,
+    call = Call(form=site, tokens=x.shape[0], hidden=x.shape[1], dtype=x.dtype, weight_dtype=x.dtype,
                 world_size=world, device=x.device, group_name=group_name)
-    return "flashinfer" if backend.why_not(call, None if max_bytes < 0 else max_bytes) is None else "fallback"
+    return "flashinfer" if backend.why_not(call, max_bytes) is None else "fallback"
 
 
 def dispatched(before):
@@ -110,7 +112,7 @@ def check_op(checks, backend, group, hidden, tokens_list, sites, in_graph, label
     device = torch.device("cuda", torch.cuda.current_device())
     world, name = group.size(), group.group_name
     failures, runs, paths = [], 0, {}
-    for max_bytes in (-1, FORCED):
+    for max_bytes in (None, FORCED):
         if dist.get_rank() == 0:
             print(f"  {label} hidden={hidden} cap={max_bytes}: T={tokens_list}", flush=True)
         for tokens in tokens_list:
@@ -274,7 +276,7 @@ def check_one_rank_failing(checks, backend):
         device = torch.device("cuda", torch.cuda.current_device())
         x, res, w = inputs(16, 4096, SITES[0], device, seed=3)
         before = arfusion.stats()["dispatch"]
-        got = op(x, res, w, SITES[0], group.group_name, -1)
+        got = op(x, res, w, SITES[0], group.group_name, None)
         ran = dispatched(before)
         ok, worst = close(got, reference.unfused(x, res, w, EPS, group.group_name, SITES[0]))
         state = backend._groups[group.group_name]
@@ -289,7 +291,7 @@ def check_weight_dtype_guard(checks):
     device = torch.device("cuda", torch.cuda.current_device())
     x, res, w = inputs(8, 4096, SITES[0], device, seed=4)
     before = arfusion.stats()["dispatch"]
-    got = op(x, res, w.float(), SITES[0], dist.group.WORLD.group_name, -1)
+    got = op(x, res, w.float(), SITES[0], dist.group.WORLD.group_name, None)
     ran = dispatched(before)
     ok, _ = close(got, reference.unfused(x, res, w.float(), EPS, dist.group.WORLD.group_name, SITES[0]))
     checks.record("fp32 weight with bf16 input falls back", ok and ran == {"fallback": 1}, f"dispatch {ran}")
@@ -312,8 +314,8 @@ def main():
     rank, world, device = start_distributed(recompile_limit=256)
     checks = Checks(rank)
     backend = get_backend("flashinfer")
-    if isinstance(backend, str) or backend.unavailable(device):
-        checks.record("flashinfer available", False, str(backend if isinstance(backend, str) else backend.unavailable(device)))
+    if isinstance(backend, Reason) or backend.unavailable(device):
+        checks.record("flashinfer available", False, str(backend if isinstance(backend, Reason) else backend.unavailable(device)))
     else:
         group = dist.group.WORLD
         quick = "--quick" in sys.argv

@@ -34,14 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shared_gpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from hf_tiny_configs import tiny_config  # noqa: E402
-
 sys.path.insert(0, str(ROOT))
 from tests.models import experts_sum_float64  # noqa: E402
 
 import arfusion  # noqa: E402
 from arfusion import hf  # noqa: E402
+from arfusion.hf.configs import tiny_config  # noqa: E402
 
 SHAPE = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 8, "n_routed_experts": 16,
          "zero_expert_num": 8, "moe_topk": 4, "expert_ffn_hidden_size": 512, "ffn_hidden_size": 2048,
@@ -163,6 +161,7 @@ def count_moe_kernel_calls(backend_name: str) -> list[int]:
     """[calls] of the backend's fused MoE kernel (FlashInfer's finalize, where opted in), counted
     from here on."""
     from arfusion.backends import get_backend
+    from arfusion.decisions import Reason
 
     backend, calls = get_backend(backend_name), [0]
     real = backend.run_moe_combine
@@ -212,7 +211,7 @@ def tensor_parallel(args) -> dict:
             "logits_rel_err_vs_eager": rel(got, eager),
             "plain_compile_rel_err_vs_eager": rel(plain, eager), "pass_vs_plain_compile": rel(got, plain),
             "stats": {k: s.get(k) for k in ("fused_sites", "unfused_sites", "summed_all_reduces_merged",
-                                             "moe_combines_fused", "dispatch", "graphs", "why_not")}}
+                                             "moe_combines_fused", "dispatch", "graphs", "why_not_codes")}}
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 tests/gpu/check_moe_combine.py --out /tmp/moe_combine
 
-For top-k K in 8, 2, 6, hidden 2048, 4096, 7168 and T = 1 ... 512 tokens (issue 13's grid; --k,
+For top-k K in 8, 2, 6, hidden 2048, 4096, 7168 and T = 1 ... 512 tokens (the MoE site's whole grid; --k,
 --hidden, --tokens pick a part; bf16, HF grouped-experts layout: rows in expert-sorted order, index =
 inverse permutation, one weight per permuted row), K = 8 first, so a run cut short by --budget-s
 has the cases the targets are judged on:
@@ -56,7 +56,8 @@ import arfusion.ops  # noqa: F401  (registers the ops)
 from arfusion import reference
 from arfusion.backends import flashinfer_dispatch as dispatch
 from arfusion.backends import get_backend
-from arfusion.core import Site
+from arfusion.decisions import Reason
+from arfusion.core import Form
 
 import shared_gpu  # tests/gpu/shared_gpu.py (the script's own directory is on sys.path)
 
@@ -73,7 +74,7 @@ SAMPLES, REPLAYS = 25, 20
 # graph replayed back to back never starts on the workspace it ended on (FinalizeWorkspaces in
 # arfusion/backends/flashinfer_moe.py: the one order its two workspaces do not make safe).
 CALLS_PER_GRAPH = 2
-SITE = Site(residual=True, norm="rms")
+SITE = Form(residual=True, norm="rms")
 
 
 def make_inputs(tokens, hidden, device, rank, seed=0, k=K):
@@ -92,8 +93,9 @@ def make_inputs(tokens, hidden, device, rank, seed=0, k=K):
 
 def moe_op(rows, scale, index, residual, weight, group_name, k=K):
     return torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
-        rows, scale, index, k, True, residual, weight, EPS, None, group_name, "rms", "none", None, True,
-        "flashinfer", -1)
+        rows=rows, scale=scale, index=index, top_k=k, scale_first=True, residual=residual, weight=weight, eps=EPS,
+        eps_tensor=None, group_name=group_name, norm="rms", quant="none", quant_scale=None, emit_norm=True,
+        backend="flashinfer")
 
 
 def make_site_only(group_name, k=K):
@@ -102,7 +104,8 @@ def make_site_only(group_name, k=K):
     def site_only(rows, scale, index, residual, weight):
         combined = combine(rows, scale, index, k, True)
         return torch.ops.arfusion.fused_allreduce_rmsnorm(
-            combined, residual, weight, EPS, None, group_name, "rms", "none", None, True, "flashinfer", -1)
+            x=combined, residual=residual, weight=weight, eps=EPS, eps_tensor=None, group_name=group_name,
+            norm="rms", quant="none", quant_scale=None, emit_norm=True, backend="flashinfer")
 
     return site_only
 
@@ -163,8 +166,10 @@ def check_shared_expert(device, rank, group_name, kernel_calls, failures):
                     device, DTYPE)
                 kernel_calls[0] = 0
                 got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
-                    rows, scale, index, K, True, residual, weight, EPS, None, group_name, "rms", "none", None,
-                    True, "flashinfer", -1, shared=shared, routed_scale=routed_scale, input_scale=input_scale)
+                    rows=rows, scale=scale, index=index, top_k=K, scale_first=True, residual=residual,
+                    weight=weight, eps=EPS, eps_tensor=None, group_name=group_name, norm="rms", quant="none",
+                    quant_scale=None, emit_norm=True, backend="flashinfer", shared=shared,
+                    routed_scale=routed_scale, input_scale=input_scale)
                 h, normed = exact(rows, scale, index, residual, weight, group_name, shared, routed_scale, input_scale)
                 errs = {"residual": rel(got[0], h), "norm": rel(got[1], normed)}
                 checks.append({"hidden": hidden, "tokens": tokens, "weights": str(weights_dtype),
@@ -272,7 +277,7 @@ def main():
     group = dist.group.WORLD
     group_name = group.group_name
     backend = get_backend("flashinfer")
-    assert not isinstance(backend, str), backend
+    assert not isinstance(backend, Reason), backend
     kernel_calls = [0]
     real_run = backend.run_moe_combine
 

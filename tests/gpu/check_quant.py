@@ -24,21 +24,21 @@ import check_flashinfer as cf  # noqa: E402
 import arfusion.ops  # noqa: E402,F401  (registers torch.ops.arfusion.*)
 from arfusion import quant, reference  # noqa: E402
 from arfusion.backends import get_backend  # noqa: E402
-from arfusion.core import Site  # noqa: E402
+from arfusion.core import Form  # noqa: E402
 
 FORMS = ("fp8_static", "fp8_dynamic", "fp8_group")
-SITES = [Site(r, "rms", q, e) for q in FORMS for r in (True, False) for e in (False, True)]
-SITES += [Site(True, "gemma_rms", q, False) for q in FORMS]
+SITES = [Form(r, "rms", q, e) for q in FORMS for r in (True, False) for e in (False, True)]
+SITES += [Form(True, "gemma_rms", q, False) for q in FORMS]
 # Declined calls compile one fallback kernel per site: a few sites keep that short.
-FALLBACK_SITES = [Site(True, "rms", "fp8_static", False), Site(False, "rms", "fp8_dynamic", True),
-                  Site(True, "gemma_rms", "fp8_group", True)]
+FALLBACK_SITES = [Form(True, "rms", "fp8_static", False), Form(False, "rms", "fp8_dynamic", True),
+                  Form(True, "gemma_rms", "fp8_group", True)]
 SCALE = 0.02  # static input scale: |norm| up to ~5 maps to ~250, inside e4m3's 448
 
 
 def op(x, res, w, site, group_name, max_bytes, scale):
     return torch.ops.arfusion.fused_allreduce_rmsnorm(
-        x, res, w, cf.EPS, None, group_name, site.norm, site.quant, scale, site.emit_norm,
-        "flashinfer", max_bytes)
+        x=x, residual=res, weight=w, eps=cf.EPS, eps_tensor=None, group_name=group_name, norm=site.norm,
+        quant=site.quant, quant_scale=scale, emit_norm=site.emit_norm, backend="flashinfer", max_bytes=max_bytes)
 
 
 def compare(site, got, want, scale, weight, fused):
@@ -145,11 +145,11 @@ def main():
     # up to the fuse cap, both sides of the one-shot switch (H200 table), T=1 and T=world
     tokens = {2: [1, 2, 3, 64, 128, 4096], 4: [1, 4, 5, 128, 256, 257, 1024]}[world]
     over_cap = {2: 4097, 4: 1025}[world]
-    check_sites(checks, backend, group, tokens, False, -1, "quant eager")
-    check_sites(checks, backend, group, tokens, True, -1, "quant in CUDA graph")
+    check_sites(checks, backend, group, tokens, False, None, "quant eager")
+    check_sites(checks, backend, group, tokens, True, None, "quant in CUDA graph")
     # declined at run time (past the cap, or a cap of 0): NCCL + compiled add+RMSNorm+quant,
     # compiled on the eager call, replayed inside a capture
-    check_sites(checks, backend, group, [over_cap], False, -1, "quant over the cap eager", FALLBACK_SITES)
+    check_sites(checks, backend, group, [over_cap], False, None, "quant over the cap eager", FALLBACK_SITES)
     check_sites(checks, backend, group, [64, 300, over_cap], True, 0, "quant fallback in CUDA graph", FALLBACK_SITES)
     dist.barrier()
     backend.close()

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 1 tests/gpu/check_quantized_codec.py --out DIR
 
-`arfusion.quantized_comm.emulate(x, group, "fp8")` stands in for FlashInfer's
+`arfusion.codec.emulate(x, group, "fp8")` stands in for FlashInfer's
 `quantized_all_reduce` wherever the kernel cannot run (CPU, tests, the accuracy harness). On a
 group of one rank the kernel's two-shot reduces to its first phase (quantize each 256-element
 group to e4m3 with scale amax / 448, dequantize, sum in fp32, write bf16). The emulation is not
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from arfusion import quantized_comm
+from arfusion import codec
 
 HIDDEN = 4096
 
@@ -64,7 +64,7 @@ def main() -> None:
         for name, values in messages(tokens, device).items():
             x = values.to(torch.bfloat16).contiguous()
             kernel = quantized_all_reduce(x, group)
-            emulated = quantized_comm.emulate(x, group.group_name, "fp8")
+            emulated = codec.emulate(x, group.group_name, "fp8")
             torch.cuda.synchronize()
             differ = (kernel.view(torch.int16) != emulated.view(torch.int16)).sum().item()
             scale = x.float().abs().max().clamp_min(1e-30)

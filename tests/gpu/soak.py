@@ -1,4 +1,4 @@
-"""Soak run of a compiled two-layer TP block with the pass (issue 15). Not collected by pytest.
+"""Soak run of a compiled two-layer TP block with the pass (docs/reliability.md). Not collected by pytest.
 
     torchrun --nproc-per-node 2 tests/gpu/soak.py --calls 10000 --out DIR      # GPUs (NCCL)
     torchrun --nproc-per-node 2 tests/gpu/soak.py --device cpu --calls 50 --out DIR   # CPU (gloo)
@@ -167,7 +167,7 @@ def run_mode(name, args, model, device, backend, cap_tokens, world) -> dict:
             "tokens_min": min(schedule), "tokens_max": max(schedule), "distinct_tokens": len(set(schedule)),
             "above_cap": sum(t > cap_tokens for t in schedule) if cap_tokens else None,
             "mismatches": mismatches, "max_rel_l2": max_rel, "max_rel_abs": max_abs, "worst": worst,
-            "stats": {k: stats[k] for k in ("fused_sites", "unfused_sites", "why_not", "dispatch", "by_pattern")},
+            "stats": {k: stats[k] for k in ("fused_sites", "unfused_sites", "why_not_codes", "dispatch", "by_pattern")},
             "memory": mem, "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -250,18 +250,19 @@ def main() -> int:
     args.dtype = torch.bfloat16
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 4096
-    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass (why_not empty)
+    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the pass (why_not_codes empty)
 
     row_bytes = args.hidden * 2
     if args.cap_mb is not None:
         cap_tokens = int(args.cap_mb * 2**20) // row_bytes
     elif backend == "flashinfer":
         from arfusion.backends import get_backend
-        from arfusion.core import Call, Site
+        from arfusion.decisions import Reason
+        from arfusion.core import Call, Form
         fi = get_backend("flashinfer")
-        call = Call(site=Site(residual=True, norm="rms"), tokens=1, hidden=args.hidden, dtype=args.dtype,
+        call = Call(form=Form(residual=True, norm="rms"), tokens=1, hidden=args.hidden, dtype=args.dtype,
                     weight_dtype=args.dtype, world_size=world, device=device, group_name=dist.group.WORLD.group_name)
-        cap = None if isinstance(fi, str) else fi.default_max_bytes(call)
+        cap = None if isinstance(fi, Reason) else fi.default_max_bytes(call)
         cap_tokens = None if cap is None else cap // row_bytes
     else:
         cap_tokens = None

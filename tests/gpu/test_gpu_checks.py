@@ -146,3 +146,21 @@ def test_fast_all_reduce(mode, launch):
     assert done.returncode == 0, done.tail()
     ranks = done.json("fast_all_reduce.json")
     assert len(ranks) == 2 and not any(r["failures"] for r in ranks), [r["failures"] for r in ranks]
+
+
+@needs(gpus=1, modules=("transformers",))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("graphs", [False, True], ids=["compiled", "cuda_graphs"])
+def test_continuous_batching(mode, graphs, launch):
+    """check_continuous_batching.py: transformers' generate_batch at TP=2 with the pass on FlashInfer,
+    every all-reduce fused or merged, greedy tokens as eager's up to near ties; with transformers' own
+    CUDA graphs every fused call captured (cbshared / cbgraphsshared / cb2 / cbgraphs2)."""
+    args = ["--shared-gpu" if mode == "shared_gpu" else "--two-gpus", *(["--cuda-graphs"] if graphs else [])]
+    done = launch(f"{GPU}/check_continuous_batching.py", *args, "--out", "{out}", nproc=2,
+                  env={"CHECK_HANG_S": "280"}, timeout=330)
+    assert done.returncode == 0, done.tail()
+    ranks = done.json("continuous_batching" + ("_cuda_graphs" if graphs else "") + ".json")
+    results = [r for rank in ranks for r in rank["results"]]
+    assert results and not [r for r in results if r["problems"]], [r for r in results if r["problems"]]
+    if graphs:
+        assert all(r["dispatch_in_cuda_graphs"] for r in results), results

@@ -16,8 +16,9 @@ import torch
 
 from ... import reference, runtime
 from ...core import QUANT_FORMS, Call
+from ...decisions import Reason, Why
 from ...runtime import PerGroup, log_once, outside_graph_pools
-from ..base import Backend, Capabilities
+from ..base import Backend, Capabilities, over_cap
 from . import communicator
 from .detection import Detected, detect, quant_disabled_by_env
 from .limits import LIMITS, MIB, QUICK_REDUCE_REGIMES
@@ -37,7 +38,7 @@ class AiterBackend(Backend):
         # not NVFP4, and no AMD GPU consumes NVFP4 activations.
         quants=frozenset({"none", *QUANT_FORMS} - {"nvfp4"}),
         # aiter's quick all-reduce codecs (QuickReduceRegime FP8, INT6, INT4); no INT8.
-        quantized_levels=frozenset(QUICK_REDUCE_REGIMES),
+        codecs=frozenset(QUICK_REDUCE_REGIMES),
     ))
     # Per group, renewed when the name comes to mean another group (see PerGroup).
     # One CustomAllreduce per group serves its fused sites and its plain all-reduces.
@@ -55,32 +56,33 @@ class AiterBackend(Backend):
             return f"no current GPU: {type(e).__name__}: {e}"
         return detect(index)
 
-    def unavailable(self, device: torch.device) -> str | None:
+    def unavailable(self, device: torch.device) -> Reason | None:
         found = self._detected(device)
-        return found if isinstance(found, str) else None
+        return Reason(Why.NO_BACKEND, found) if isinstance(found, str) else None
 
-    def shape_check(self, call: Call) -> str | None:
+    def shape_check(self, call: Call) -> Reason | None:
         found = self._detected(call.device)
         if isinstance(found, str):
-            return found
+            return Reason(Why.NO_BACKEND, found)
         pack = pack_elements(call.dtype)
         if call.weight_dtype != call.dtype:
-            return f"norm weight {call.weight_dtype} differs from input {call.dtype} (vllm#48324)"
+            return Reason(Why.WEIGHT_DTYPE, f"norm weight {call.weight_dtype} differs from input {call.dtype} "
+                                            "(vllm#48324)")
         if call.world_size not in LIMITS.world_sizes:
-            return f"world size {call.world_size} not in {list(LIMITS.world_sizes)}"
+            return Reason(Why.WORLD_SIZE, f"world size {call.world_size} not in {list(LIMITS.world_sizes)}")
         if call.hidden > LIMITS.max_hidden:
-            return f"hidden {call.hidden} > {LIMITS.max_hidden}"
+            return Reason(Why.SHAPE, f"hidden {call.hidden} > {LIMITS.max_hidden}")
         if call.hidden % pack:
-            return f"hidden {call.hidden} is not a multiple of the pack size {pack}"
+            return Reason(Why.SHAPE, f"hidden {call.hidden} is not a multiple of the pack size {pack}")
         if call.tokens == 0:
-            return "no tokens"
-        if call.nbytes is not None and call.nbytes > LIMITS.max_bytes:
-            return f"{call.nbytes} bytes per rank > aiter's limit {LIMITS.max_bytes}"
-        if call.site.norm == "gemma_rms" and not found.api.gemma_norm:
-            return f"aiter {found.api.version} has no gemma_norm"
+            return Reason(Why.SHAPE, "no tokens")
+        if call.form.norm == "gemma_rms" and not found.api.gemma_norm:
+            return Reason(Why.NORM_FORM, f"aiter {found.api.version} has no gemma_norm")
         if not found.api.flexible_hidden:
-            return legacy_shape_problem(call.hidden, call.dtype)
-        return None
+            problem = legacy_shape_problem(call.hidden, call.dtype)
+            if problem:
+                return Reason(Why.SHAPE, problem)
+        return over_cap(call, LIMITS.max_bytes, "aiter's limit")
 
     def default_max_bytes(self, call: Call) -> int | None:
         return LIMITS.max_bytes
@@ -94,29 +96,29 @@ class AiterBackend(Backend):
                 pass
         return "aiter absent"
 
-    def prepare(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+    def prepare(self, call: Call, max_bytes_override: int | None = None) -> Reason | None:
         """Sets up the group's communicator on its first eager call (collective), or says why not."""
         comm = self._ready_communicator(call)
-        return comm if isinstance(comm, str) else None
+        return Reason(Why.RUNTIME, comm) if isinstance(comm, str) else None
 
     def run(self, call, x, residual, weight, eps, quant_scale):
         comm = self._ready_communicator(call)  # prepare() made it; this also covers callers without it
         if isinstance(comm, str):
-            log_once(f"arfusion: {call.site.name} ran unfused on aiter: {comm}")
-            return reference.unfused(x, residual, weight, eps, call.group_name, call.site, quant_scale)
+            log_once(f"arfusion: {call.form.name} ran unfused on aiter: {comm}")
+            return reference.unfused(x, residual, weight, eps, call.group_name, call.form, quant_scale)
         found = self._detected(call.device)
         inp = inputs(x, residual, weight, eps, quant_scale)
         stages, skipped = plan(call, found, quant_disabled_by_env())
         for reason in skipped:
-            log_once(f"arfusion: {call.site.name}: {reason}")
+            log_once(f"arfusion: {call.form.name}: {reason}")
         for stage in stages[:-1]:
             produced, reason = attempt(stage, comm, call, inp, found)
             if produced is not None:
-                return [produced[name] for name in call.site.outputs()]
-            log_once(f"arfusion: {call.site.name}: aiter {stage} {reason}; trying the next stage")
+                return [produced[name] for name in call.form.outputs()]
+            log_once(f"arfusion: {call.form.name}: aiter {stage} {reason}; trying the next stage")
         # The last stage is the reference math: its errors are real errors, so they propagate.
         produced = STAGES[stages[-1]](comm, call, inp, found)
-        return [produced[name] for name in call.site.outputs()]
+        return [produced[name] for name in call.form.outputs()]
 
     def _ready_communicator(self, call: Call) -> Any:
         """The group's CustomAllreduce (created on its first eager call), or why there is none."""
@@ -134,16 +136,16 @@ class AiterBackend(Backend):
 
     # ------------------------------------------------------------- plain all-reduce
 
-    def plain_why_not(self, call: Call, max_bytes_override: int | None = None) -> str | None:
+    def plain_why_not(self, call: Call, max_bytes_override: int | None = None) -> Reason | None:
         """None if aiter's custom all-reduce takes `call` (`plain.plain_problem`: aiter's dtypes,
         world sizes and (low, high] window, the user's cap), else why not."""
         return plain_problem(call, max_bytes_override) or self.unavailable(call.device)
 
-    def prepare_plain(self, call: Call) -> str | None:
+    def prepare_plain(self, call: Call) -> Reason | None:
         """The group's CustomAllreduce (the fused sites' one), made on its first eager call
         (collective, outside graph pools, never during capture), or why there is none."""
         comm = self._ready_communicator(call)
-        return comm if isinstance(comm, str) else None
+        return Reason(Why.RUNTIME, comm) if isinstance(comm, str) else None
 
     def all_reduce(self, call: Call, x: torch.Tensor) -> torch.Tensor:
         """`CustomAllreduce.custom_all_reduce(x)`; torch's all-reduce where it gives nothing."""
@@ -155,38 +157,38 @@ class AiterBackend(Backend):
 
     # ------------------------------------------------------------- quick all-reduce (quantized)
 
-    def quantized_why_not(self, call: Call, level: str, min_bytes_override: int | None = None) -> str | None:
+    def codec_why_not(self, call: Call, level: str, min_bytes_override: int | None = None) -> Reason | None:
         if level not in QUICK_REDUCE_REGIMES:
-            return (f"aiter's quick all-reduce has no {level} codec (its QuickReduceRegime levels are FP8, "
-                    f"INT6 and INT4; level 1 is FP8, not INT8): choose one of {sorted(QUICK_REDUCE_REGIMES)}")
-        return super().quantized_why_not(call, level, min_bytes_override)
+            return Reason(Why.NO_KERNEL, f"aiter's quick all-reduce has no {level} codec (its QuickReduceRegime "
+                                         "levels are FP8, INT6 and INT4; level 1 is FP8, not INT8): choose one of "
+                                         f"{sorted(QUICK_REDUCE_REGIMES)}")
+        return super().codec_why_not(call, level, min_bytes_override)
 
-    def quantized_problem(self, call: Call, level: str) -> str | None:
+    def codec_problem(self, call: Call, level: str) -> Reason | None:
         """What QuickAllReduce._should_hip and the kernel accept (the arch is `detect`'s)."""
         if call.dtype not in LIMITS.quick_reduce_dtypes:
-            return f"aiter's quick all-reduce takes float16 or bfloat16, not {call.dtype}"
+            return Reason(Why.DTYPE, f"aiter's quick all-reduce takes float16 or bfloat16, not {call.dtype}")
         if call.world_size not in LIMITS.quick_reduce_world_sizes:
-            return (f"aiter's quick all-reduce takes world sizes {list(LIMITS.quick_reduce_world_sizes)}, "
-                    f"not {call.world_size}")
+            return Reason(Why.WORLD_SIZE, "aiter's quick all-reduce takes world sizes "
+                                          f"{list(LIMITS.quick_reduce_world_sizes)}, not {call.world_size}")
         api = quick_reduce_api()
         if isinstance(api, str):
-            return api
+            return Reason(Why.NO_KERNEL, api)
         if level not in api.levels:
-            return f"this aiter's QuickReduceRegime has no {QUICK_REDUCE_REGIMES[level]} member"
+            return Reason(Why.NO_KERNEL, f"this aiter's QuickReduceRegime has no {QUICK_REDUCE_REGIMES[level]} member")
         env = quick_reduce_env()
         if isinstance(env, str):
-            return env
+            return Reason(Why.NO_BACKEND, env)
         if call.nbytes is not None:
             if call.nbytes == 0:
-                return "no tokens"
+                return Reason(Why.SHAPE, "no tokens")
             if call.nbytes % LIMITS.quick_reduce_align_bytes:
-                return (f"{call.nbytes} bytes per rank is not a multiple of {LIMITS.quick_reduce_align_bytes} "
-                        "(aiter's quick all-reduce)")
-            if call.nbytes > env.max_bytes:
-                return f"{call.nbytes} bytes per rank > {env.max_bytes} (aiter's quick all-reduce buffer)"
+                return Reason(Why.SHAPE, f"{call.nbytes} bytes per rank is not a multiple of "
+                                         f"{LIMITS.quick_reduce_align_bytes} (aiter's quick all-reduce)")
+            return over_cap(call, env.max_bytes, "aiter's quick all-reduce buffer")
         return None
 
-    def quantized_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
+    def codec_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
         env = quick_reduce_env()
         if isinstance(env, str):
             return None, env
@@ -200,19 +202,20 @@ class AiterBackend(Backend):
                            f"{QUICK_REDUCE_REGIMES[level]} = {mib} MiB: measured by aiter against its custom "
                            "all-reduce, not against arfusion's fused kernel (no AMD GPU here)")
 
-    def prepare_quantized(self, call: Call, level: str) -> str | None:
+    def prepare_codec(self, call: Call, level: str) -> Reason | None:
         """The group's quick all-reduce, set up once on an eager call (collective), or why not.
         One communicator serves every level: the level is an argument of each call."""
         state = self._quick_reduce.current(call.group_name)
         if state.failed or state.ptr is not None:
-            return state.failed
+            return Reason(Why.RUNTIME, state.failed) if state.failed else None
         if runtime.capturing():
-            return ("aiter's quick all-reduce is never set up during CUDA-graph capture: run the model "
-                    "once eagerly first")
-        return outside_graph_pools(
+            return Reason(Why.RUNTIME, "aiter's quick all-reduce is never set up during CUDA-graph capture: run "
+                                       "the model once eagerly first")
+        problem = outside_graph_pools(
             call.device, lambda: set_up_quick_reduce(state, call.group_name, call.world_size))
+        return Reason(Why.RUNTIME, problem) if problem else None
 
-    def quantized_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
+    def codec_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
         api, env = quick_reduce_api(), quick_reduce_env()
         out = torch.empty_like(x)
         api.ops.qr_all_reduce(self._quick_reduce[call.group_name].ptr, x, out, api.levels[level],

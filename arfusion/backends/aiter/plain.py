@@ -21,38 +21,40 @@ import torch
 
 from ... import reference
 from ...core import Call
+from ...decisions import Reason, Why
 from ...runtime import log_once
+from ..base import over_cap
 from .limits import CUSTOM_AR_MIN_SIZE_ENV, LIMITS, custom_ar_window
 
 
-def plain_problem(call: Call, max_bytes_override: int | None = None) -> str | None:
+def plain_problem(call: Call, max_bytes_override: int | None = None) -> Reason | None:
     """Why aiter's custom all-reduce does not take `call`, or None: from facts the same on every
     rank (dtype, world size, bytes, aiter's window from the environment, the user's cap).
     Tokens None (compile time): decided at run time. Bounds as aiter's: (low, high]."""
     if call.dtype not in LIMITS.plain_dtypes:
-        return f"aiter's custom all-reduce takes {[str(d) for d in LIMITS.plain_dtypes]}, not {call.dtype}"
+        return Reason(Why.DTYPE, f"aiter's custom all-reduce takes {[str(d) for d in LIMITS.plain_dtypes]}, "
+                                 f"not {call.dtype}")
     if call.world_size not in LIMITS.plain_world_sizes:
-        return (f"aiter's custom all-reduce takes world sizes {list(LIMITS.plain_world_sizes)}, "
-                f"not {call.world_size}")
+        return Reason(Why.WORLD_SIZE, "aiter's custom all-reduce takes world sizes "
+                                      f"{list(LIMITS.plain_world_sizes)}, not {call.world_size}")
     low, high = custom_ar_window()
     source = "aiter's custom all-reduce window"
     if max_bytes_override is not None and max_bytes_override < high:
         high, source = max_bytes_override, "the configured plain_max_size_mb"
     if high <= low:
-        return f"aiter's custom all-reduce takes no size: ({low}, {high}] is empty ({source})"
+        return Reason(Why.SIZE_CAP, f"aiter's custom all-reduce takes no size: ({low}, {high}] is empty ({source})")
     nbytes = call.nbytes
     if nbytes is None:
         return None
     if nbytes == 0:
-        return "no tokens"
+        return Reason(Why.SHAPE, "no tokens")
     if nbytes % LIMITS.plain_align_bytes:
-        return (f"{nbytes} bytes per rank is not a multiple of {LIMITS.plain_align_bytes} "
-                "(aiter's custom all-reduce)")
+        return Reason(Why.SHAPE, f"{nbytes} bytes per rank is not a multiple of {LIMITS.plain_align_bytes} "
+                                 "(aiter's custom all-reduce)")
     if nbytes <= low:
-        return f"{nbytes} bytes per rank <= {low} ({CUSTOM_AR_MIN_SIZE_ENV}): aiter leaves it to RCCL"
-    if nbytes > high:
-        return f"{nbytes} bytes per rank > cap {high} ({source})"
-    return None
+        return Reason(Why.SIZE_CAP, f"{nbytes} bytes per rank <= {low} ({CUSTOM_AR_MIN_SIZE_ENV}): aiter leaves it "
+                                    "to RCCL")
+    return over_cap(call, high, source)
 
 
 def sum_or_torch(comm: Any, x: torch.Tensor, group_name: str) -> torch.Tensor:

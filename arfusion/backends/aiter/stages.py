@@ -63,7 +63,7 @@ def use_one_stage(call: Call, api: AiterApi) -> bool:
 
 def one_kernel_quant_problem(call: Call, found: Detected, env_opt_out: bool) -> str | None:
     """Why stage 1 (one kernel including the quant) cannot take this call, or None."""
-    site, api = call.site, found.api
+    site, api = call.form, found.api
     if env_opt_out:
         return f"{DISABLE_QUANT_ENV} is set"
     if site.quant not in _ONE_KERNEL_QUANTS:
@@ -80,9 +80,9 @@ def one_kernel_quant_problem(call: Call, found: Detected, env_opt_out: bool) -> 
 def _per_group_problem(call: Call, api: AiterApi) -> str | None:
     if not api.per_group_quant:
         return "this aiter has no per-group quant kernel"
-    if call.site.norm == "gemma_rms":
+    if call.form.norm == "gemma_rms":
         return "the per-group quant kernel has no gemma_norm"
-    if call.site.emit_norm and not api.per_group_norm_out:
+    if call.form.emit_norm and not api.per_group_norm_out:
         return "this aiter's per-group quant kernel cannot also emit the norm (emit_bf16)"
     if call.hidden % LIMITS.quant_group_size:
         return f"hidden {call.hidden} is not a multiple of {LIMITS.quant_group_size}"
@@ -92,9 +92,9 @@ def _per_group_problem(call: Call, api: AiterApi) -> str | None:
 def _per_token_problem(call: Call, api: AiterApi) -> str | None:
     if not api.per_token_quant:
         return "this aiter has no per-token quant kernel"
-    if call.site.norm == "gemma_rms" and not api.per_token_gemma:
+    if call.form.norm == "gemma_rms" and not api.per_token_gemma:
         return "this aiter's per-token quant kernel has no gemma_norm"
-    if call.site.emit_norm:
+    if call.form.emit_norm:
         return "aiter's per-token quant kernel does not emit the norm (its communicator refuses emit_bf16)"
     if call.hidden not in LIMITS.per_token_quant_hidden:
         return f"the per-token quant kernel takes hidden in {list(LIMITS.per_token_quant_hidden)}"
@@ -120,10 +120,10 @@ def _reference_layout_problem(call: Call, fp8: torch.dtype) -> str | None:
     """The fused op promised the reference quant's outputs (its fake impl), so the kernel's
     quant and scale must have exactly their dtype, shape and layout."""
     try:
-        expected = _reference_layout(quant.quantize, call.site.quant, call.dtype, call.hidden)
+        expected = _reference_layout(quant.quantize, call.form.quant, call.dtype, call.hidden)
     except Exception as e:
         return f"reference quant layout unknown ({type(e).__name__}: {e})"
-    produced = _kernel_quant_layout(call.site.quant, 2, call.hidden, fp8)
+    produced = _kernel_quant_layout(call.form.quant, 2, call.hidden, fp8)
     # The FP8 dtype follows the GPU arch on both sides (quant.fp8_dtype and LIMITS.fp8_dtypes);
     # a meta-device probe cannot tell gfx942 from the rest, so compare the quant's layout only.
     expected = ((fp8, *expected[0][1:]), expected[1])
@@ -135,7 +135,7 @@ def _reference_layout_problem(call: Call, fp8: torch.dtype) -> str | None:
 def plan(call: Call, found: Detected, env_opt_out: bool) -> tuple[list[str], list[str]]:
     """(stages to try in order, ending with UNFUSED; reasons for stages left out)."""
     stages, skipped = [], []
-    if call.site.quant != "none":
+    if call.form.quant != "none":
         reason = one_kernel_quant_problem(call, found, env_opt_out)
         if reason:
             skipped.append(f"{FUSED_QUANT} skipped: {reason}")
@@ -167,7 +167,7 @@ def inputs(x, residual, weight, eps, quant_scale) -> _Inputs:
 
 
 def _run_fused_quant(comm, call: Call, inp: _Inputs, found: Detected):
-    site, one_stage = call.site, use_one_stage(call, found.api)
+    site, one_stage = call.form, use_one_stage(call, found.api)
     args = (inp.x, inp.residual, inp.weight, inp.eps)
     if site.quant == "fp8_group":
         extra = {"emit_bf16": True} if site.emit_norm else {}
@@ -185,7 +185,7 @@ def _run_fused_quant(comm, call: Call, inp: _Inputs, found: Detected):
 
 
 def _run_fused_norm(comm, call: Call, inp: _Inputs, found: Detected):
-    site, api = call.site, found.api
+    site, api = call.form, found.api
     extra = {"use_1stage": use_one_stage(call, api)} if api.choose_stage else {}
     if site.norm == "gemma_rms":
         extra["gemma_norm"] = True  # shape_check declined gemma sites where aiter lacks it
@@ -202,8 +202,8 @@ def _run_fused_norm(comm, call: Call, inp: _Inputs, found: Detected):
 def _run_unfused(comm, call: Call, inp: _Inputs, found: Detected):
     reduced = sum_or_torch(comm, inp.x, call.group_name)
     outs = reference.add_rms_norm(reduced, inp.residual if inp.has_residual else None, inp.weight,
-                                  inp.eps, call.site, inp.quant_scale)
-    return dict(zip(call.site.outputs(), outs))
+                                  inp.eps, call.form, inp.quant_scale)
+    return dict(zip(call.form.outputs(), outs))
 
 
 STAGES = {FUSED_QUANT: _run_fused_quant, FUSED_NORM: _run_fused_norm, UNFUSED: _run_unfused}

@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..decisions import Reason, Why
 from ..core import Call
 from ..runtime import all_ranks_agree, comm_device, outside_graph_pools
 from . import flashinfer_dispatch as dispatch
+from .base import over_cap
 
 log = logging.getLogger("arfusion")
 WORLD_SIZES = frozenset({2, 4, 8, 16})
@@ -23,29 +25,32 @@ WORLD_SIZES = frozenset({2, 4, 8, 16})
 class QuantizedAllReduce:
     """The quantized half of the FlashInfer backend (needs its `facts`, `_groups`)."""
 
-    def quantized_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
+    def codec_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
         facts = self.facts(call)
-        return dispatch.quantized_min_bytes(facts.sm[0], facts.name, call.world_size, call.hidden, call.dtype,
+        return dispatch.codec_min_bytes(facts.sm[0], facts.name, call.world_size, call.hidden, call.dtype,
                                             level)
 
-    def quantized_problem(self, call: Call, level: str) -> str | None:
+    def codec_problem(self, call: Call, level: str) -> Reason | None:
         """flashinfer.comm.quantized_allreduce's own limits (0.7.2.post1)."""
         if call.dtype != torch.bfloat16:
-            return f"FlashInfer's quantized all-reduce takes bfloat16 only, not {call.dtype}"
+            return Reason(Why.DTYPE, f"FlashInfer's quantized all-reduce takes bfloat16 only, not {call.dtype}")
         if call.world_size not in WORLD_SIZES:  # its stripe (4096) must split evenly: 2, 4, 8, 16
-            return f"FlashInfer's quantized all-reduce needs a power-of-two world size <= 16, not {call.world_size}"
+            return Reason(Why.WORLD_SIZE, "FlashInfer's quantized all-reduce needs a power-of-two world size <= 16, "
+                                          f"not {call.world_size}")
         if call.hidden % 8:
-            return f"hidden size {call.hidden} is not a multiple of 8"
+            return Reason(Why.SHAPE, f"hidden size {call.hidden} is not a multiple of 8")
         if self.facts(call).sm[0] < 9:
-            return "FlashInfer's quantized all-reduce needs SM90+ (FP8)"
-        if call.nbytes is not None and call.nbytes > dispatch.QUANTIZED_MAX_BYTES:
-            return f"{call.nbytes} bytes per rank > {dispatch.QUANTIZED_MAX_BYTES} (largest size measured)"
-        return None
+            return Reason(Why.GPU_ARCH, "FlashInfer's quantized all-reduce needs SM90+ (FP8)")
+        return over_cap(call, dispatch.QUANTIZED_MAX_BYTES, "largest size measured")
 
-    def prepare_quantized(self, call: Call, level: str) -> str | None:
+    def prepare_codec(self, call: Call, level: str) -> Reason | None:
+        reason = self._quantized_buffer(call)
+        return Reason(Why.RUNTIME, reason) if reason else None
+
+    def _quantized_buffer(self, call: Call) -> str | None:
         state = self._groups.current(call.group_name)
-        if state.quantized_failed or state.quantized_ready:
-            return state.quantized_failed
+        if state.codec_failed or state.codec_ready:
+            return state.codec_failed
         if runtime.capturing():
             return ("the quantized all-reduce's buffer is never created during CUDA-graph capture: run "
                     "the model once eagerly first")
@@ -64,8 +69,8 @@ class QuantizedAllReduce:
         except Exception as e:
             problem = f"flashinfer.comm.quantized_allreduce unavailable: {type(e).__name__}: {e}"
         if not all_ranks_agree(problem is None, group, comm_dev):
-            state.quantized_failed = problem or "the quantized all-reduce is unavailable on another rank"
-            return state.quantized_failed
+            state.codec_failed = problem or "the quantized all-reduce is unavailable on another rank"
+            return state.codec_failed
         try:
             warm = torch.zeros(dispatch.QUANTIZED_MAX_BYTES // 2, dtype=torch.bfloat16, device=call.device)
             module.quantized_all_reduce(warm, group, output=torch.empty_like(warm))
@@ -73,15 +78,15 @@ class QuantizedAllReduce:
         except Exception as e:  # e.g. no symmetric memory (no NVSwitch / P2P): every rank learns below
             problem = f"FlashInfer quantized all-reduce set-up failed: {type(e).__name__}: {e}"
         if not all_ranks_agree(problem is None, group, comm_dev):
-            state.quantized_failed = problem or "FlashInfer quantized all-reduce set-up failed on another rank"
-            return state.quantized_failed
-        state.quantized_ready = True
+            state.codec_failed = problem or "FlashInfer quantized all-reduce set-up failed on another rank"
+            return state.codec_failed
+        state.codec_ready = True
         log.info("arfusion: FlashInfer quantized all-reduce for group %s (world %d) ready in %.1fs (buffer for "
                  "%.0f MiB per rank)", call.group_name, group.size(), time.perf_counter() - started,
                  dispatch.QUANTIZED_MAX_BYTES / dispatch.MiB)
         return None
 
-    def quantized_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
+    def codec_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
         # Triton specialises the kernel per message size: the first call at a new size compiles
         # it (eager warm-up, as cudagraph trees and torch.compile do before capturing).
         module = importlib.import_module("flashinfer.comm.quantized_allreduce")

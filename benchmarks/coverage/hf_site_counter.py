@@ -369,11 +369,11 @@ def other_shapes(summary: dict) -> str:
     return "; ".join(parts)
 
 
-# How the counter works, as benchmarks/hf_coverage.py's report explains it.
+# How the counter works, as benchmarks/coverage/hf_coverage.py's report explains it.
 HOW_IT_WORKS = """\
 ## How the counter works
 
-`benchmarks/hf_site_counter.py` counts sites in the **eager** model and imports nothing from
+`benchmarks/coverage/hf_site_counter.py` counts sites in the **eager** model and imports nothing from
 arfusion, so it checks the matcher rather than repeating it.
 
 - A `TorchDispatchMode` marks the tensors all-reduces produce: HF's in-place

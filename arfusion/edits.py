@@ -1,83 +1,30 @@
-"""Putting the fused op where a classified site was.
+"""Every edit the pass makes to a graph, each carrying out a `policy` choice: the fused op where
+a site was (`fuse`), the fast all-reduce (`to_fast_path`), NCCL on the caller's stream
+(`to_callers_stream`).
 
-The op reads the all-reduce's input (reshaped to the norm output's shape when the graph
+The fused op reads the all-reduce's input (reshaped to the norm output's shape when the graph
 regrouped tokens in between), the residual, weight, eps and quant scale roots, and each of the
 site's outputs read from outside is rerouted to the op's matching output, reshaped back to the
-shape the graph had there. The site's own nodes are left for dead-code elimination.
+shape the graph had there. The site's own nodes are removed.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
-from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import stable_topological_sort
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .. import ops  # noqa: F401  (registers torch.ops.arfusion.*, read below)
-from ..core import Site
-from .classify import Match
-from .moe_combine import Combine
-from .region import same_shape, value
+from . import ops  # noqa: F401  (registers torch.ops.arfusion.*, read below)
+from .decisions import Reason, Why
+from .graph_utils import WAIT, Builder, value
+from .patterns import Combine, Site
 
 aten = torch.ops.aten
 FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
 MOE_OP = torch.ops.arfusion.moe_combine_allreduce_rmsnorm.default
-
-
-class Builder:
-    """Adds nodes before `anchor`, each with the fake value Inductor's later passes read."""
-
-    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node):
-        self.graph, self.anchor = graph, anchor
-        self.fake_mode = detect_fake_mode([value(anchor)] if isinstance(value(anchor), torch.Tensor) else None)
-        self.added: list[torch.fx.Node] = []
-
-    def call(self, target, *args, **kwargs) -> torch.fx.Node:
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args, kwargs)
-        fake_args = torch.fx.map_arg(args, lambda n: n.meta["val"])
-        fake_kwargs = torch.fx.map_arg(kwargs, lambda n: n.meta["val"])
-        if target is operator.getitem:
-            node.meta["val"] = fake_args[0][fake_args[1]]
-        else:
-            with self.fake_mode:
-                node.meta["val"] = target(*fake_args, **fake_kwargs)
-        self.added.append(node)
-        return node
-
-    def undo(self) -> None:
-        """Erase every node this builder added (a rewrite that gave up half-way)."""
-        for node in reversed(self.added):
-            self.graph.erase_node(node)
-        self.added.clear()
-
-    def reshape(self, node: torch.fx.Node, like: torch.fx.Node, sources: list[torch.fx.Node]) -> torch.fx.Node | None:
-        """`node` reshaped to `like`'s shape (None if a symbolic size cannot be named)."""
-        if same_shape(node, like):
-            return node
-        sizes = self._sizes(value(like).shape, sources)
-        return None if sizes is None else self.call(aten.reshape.default, node, sizes)
-
-    def _sizes(self, shape, sources: list[torch.fx.Node]) -> list[Any] | None:
-        """Size arguments for `shape`: ints, -1 for one unknown, sym_size of a source for others."""
-        sizes, free = [], True
-        for size in shape:
-            if not isinstance(size, torch.SymInt):
-                sizes.append(int(size))
-                continue
-            found = next(((src, j) for src in sources for j, s in enumerate(value(src).shape)
-                          if statically_known_true(s == size)), None)
-            if found is not None:
-                sizes.append(self.call(aten.sym_size.int, *found))
-            elif free:
-                sizes.append(-1)
-                free = False
-            else:
-                return None
-        return sizes
+FAST_OP = torch.ops.arfusion.all_reduce.default
+SYMBOLIC = Reason(Why.SYMBOLIC_SHAPE, "a symbolic shape between the all-reduce and the norm cannot be expressed")
 
 
 def scaled_sites(graph: torch.fx.Graph) -> int:
@@ -95,17 +42,11 @@ def _scale_args(region) -> dict:
     return {"input_scale": region.input_scale} if region.input_scale != 1.0 else {}
 
 
-def op_site(site: Match) -> Site:
-    """What the matched site computes, as the op and the backends see it."""
-    return Site(residual=bool(site.residuals), norm=site.norm, quant=site.quant, emit_norm=site.emit_norm)
-
-
-def rewrite(graph: torch.fx.Graph, site: Match, backend: str, max_bytes: int, site_key: str,
-            combine: Combine | None = None, quantized: tuple[str, int] = ("", -1)) -> bool:
-    """Replace `site` by the fused op; False (graph unchanged) if a shape cannot be expressed.
-    With `combine` (the MoE top-k combine producing the all-reduce input, `moe_combine.find`)
-    the MoE op takes its rows, weights and index instead, and the combine's nodes go too.
-    `quantized` is the op's (level, min bytes) of the quantized all-reduce ("": exact)."""
+def fuse(graph: torch.fx.Graph, site: Site, op_args: dict, op_key: str, combine: Combine | None = None) -> Reason | None:
+    """Replace `site` by the fused op, called with `op_args` (the backend, its caps and the
+    quantized all-reduce: `policy.FusedOp.args`) and `op_key`; None when done, else why not
+    (the graph then unchanged). With `combine` (the MoE top-k combine producing the all-reduce
+    input) the MoE op takes its rows, weights and index instead, and the combine's nodes go too."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = min((n for n, _ in site.exits), key=order.__getitem__)
     build = Builder(graph, anchor)
@@ -118,7 +59,7 @@ def rewrite(graph: torch.fx.Graph, site: Match, backend: str, max_bytes: int, si
     terms = [build.reshape(r, like, sources) for r in site.residuals]
     if x is None or None in terms:
         build.undo()
-        return False
+        return SYMBOLIC
     residual = None
     for term in terms:  # several terms (an MoE shared expert's output): summed before the op
         residual = term if residual is None else build.call(aten.add.Tensor, residual, term)
@@ -127,8 +68,7 @@ def rewrite(graph: torch.fx.Graph, site: Match, backend: str, max_bytes: int, si
         scale = build.call(aten.reciprocal.default, scale)
     tail = dict(residual=residual, weight=site.weight, eps=site.eps, eps_tensor=site.eps_input,
                 group_name=region.group_name, norm=site.norm, quant=site.quant, quant_scale=scale,
-                emit_norm=site.emit_norm, backend=backend, max_bytes=max_bytes, site_key=site_key,
-                quantized=quantized[0], quantized_min_bytes=quantized[1])
+                emit_norm=site.emit_norm, op_key=op_key, **op_args)
     if combine is None:
         # f * AR(x) (region.input_scale): the op gets x and f, so the graph's product goes too.
         fused = build.call(FUSED_OP, x=x, **tail, **_scale_args(region))
@@ -137,11 +77,11 @@ def rewrite(graph: torch.fx.Graph, site: Match, backend: str, max_bytes: int, si
                                                                    [*sources, combine.shared])
         if combine.shared is not None and shared is None:
             build.undo()
-            return False
+            return SYMBOLIC
         fused = build.call(MOE_OP, rows=combine.rows, scale=combine.scale, index=combine.index, top_k=combine.top_k,
                            scale_first=combine.scale_first, **tail, shared=shared, routed_scale=combine.routed_scale,
                            input_scale=region.input_scale)
-    outputs = op_site(site).outputs()
+    outputs = site.form.outputs()
     produced = {name: build.call(operator.getitem, fused, i) for i, name in enumerate(outputs)}
     if "scale" in produced:
         produced["inv_scale"] = build.call(aten.reciprocal.default, produced["scale"])
@@ -150,7 +90,9 @@ def rewrite(graph: torch.fx.Graph, site: Match, backend: str, max_bytes: int, si
         new = build.reshape(produced[role], node, [*sources, node])
         if new is None or value(new).dtype != value(node).dtype:
             build.undo()
-            return False
+            return SYMBOLIC if new is None else Reason(
+                Why.OUTPUT_DTYPE, f"the op's {role} output is {value(new).dtype}, the graph's {node.name} "
+                                  f"{value(node).dtype}")
         replacements.append((node, new))
     for node, new in replacements:
         node.replace_all_uses_with(new, delete_user_cb=lambda user: user not in site.nodes)
@@ -165,4 +107,54 @@ def rewrite(graph: torch.fx.Graph, site: Match, backend: str, max_bytes: int, si
     inputs = [n for n in (*site.residuals, site.weight, site.eps_input, site.quant_scale) if n is not None]
     if any(order[n] > order[anchor] for n in inputs):
         stable_topological_sort(graph)  # an input defined after the site's first output (Gemma's 1 + w)
+    return None
+
+
+def _awaited(all_reduce: torch.fx.Node) -> tuple[torch.fx.Node, str, list[torch.fx.Node]] | None:
+    """(input, group, waits) of `wait_tensor(all_reduce(x, "sum", group))`, else None."""
+    waits = list(all_reduce.users)
+    x, op, group_name = all_reduce.args[:3]
+    if op != "sum" or not waits or any(w.target is not WAIT for w in waits):
+        return None
+    return x, group_name, waits
+
+
+def _replace(graph: torch.fx.Graph, all_reduce: torch.fx.Node, waits: list[torch.fx.Node], new: torch.fx.Node) -> None:
+    for w in waits:
+        w.replace_all_uses_with(new)
+        graph.erase_node(w)
+    graph.erase_node(all_reduce)
+
+
+def to_fast_path(graph: torch.fx.Graph, all_reduce: torch.fx.Node, op_args: dict, op_key: str) -> bool:
+    """Replace `wait_tensor(all_reduce(x, "sum", group))` by arfusion's fast all-reduce op
+    (`arfusion::all_reduce`, functional: the backend's one-shot kernel writes a new tensor)."""
+    found = _awaited(all_reduce)
+    if found is None:
+        return False
+    x, group_name, waits = found
+    with graph.inserting_before(all_reduce):
+        fast = graph.call_function(FAST_OP, (), {"x": x, "group_name": group_name, "op_key": op_key, **op_args})
+    fast.meta["val"] = all_reduce.meta.get("val")
+    _replace(graph, all_reduce, waits, fast)
+    return True
+
+
+def to_callers_stream(graph: torch.fx.Graph, all_reduce: torch.fx.Node) -> bool:
+    """Replace `wait_tensor(all_reduce(x, "sum", group))` by arfusion's in-place all-reduce on
+    the caller's stream, wrapped as a functional op: Inductor's re-inplacing pass (after the
+    custom passes) reduces `x` in place where nothing else reads it, and copies it otherwise."""
+    found = _awaited(all_reduce)
+    if found is None:
+        return False
+    x, group_name, waits = found
+    reduced_val = all_reduce.meta.get("val")
+    with graph.inserting_before(all_reduce):
+        functional = graph.call_function(torch.ops.higher_order.auto_functionalized,
+                                         (torch.ops.arfusion.all_reduce_.default,),
+                                         {"x": x, "group_name": group_name})
+        reduced = graph.call_function(operator.getitem, (functional, 1))  # (op's None, new x)
+    functional.meta["val"] = (None, reduced_val)
+    reduced.meta["val"] = reduced_val
+    _replace(graph, all_reduce, waits, reduced)
     return True

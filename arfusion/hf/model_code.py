@@ -1,65 +1,18 @@
-"""Hugging Face helpers that do not depend on the installed transformers version.
+"""Graph breaks in transformers' model code, removed for inference: the q/k-norm gradient hooks of
+transformers <= 5.17 and LongCat-Flash's looped experts.
 
-transformers is imported lazily, inside the functions: `import arfusion` never imports it.
+transformers is never imported here: these functions read the modules they are given.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import logging
 import types
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger("arfusion")
-
-
-def _config_has_tp_plan(config_cls: type) -> bool:
-    if dataclasses.is_dataclass(config_cls):
-        if any(f.name == "tp_plan" for f in dataclasses.fields(config_cls)):
-            return True
-    try:
-        return "tp_plan" in inspect.signature(config_cls).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _from_pretrained_accepts(name: str) -> bool:
-    """True if `PreTrainedModel.from_pretrained` takes keyword `name`, as a named parameter or
-    popped from its **kwargs (transformers 5.x pops `distributed_config` from kwargs)."""
-    from transformers import PreTrainedModel
-
-    method = PreTrainedModel.from_pretrained
-    try:
-        if name in inspect.signature(method).parameters:
-            return True
-    except (TypeError, ValueError):
-        pass
-    try:
-        source = inspect.getsource(method)
-    except (OSError, TypeError):
-        return False
-    return f'"{name}"' in source or f"'{name}'" in source
-
-
-def tp_kwargs(tp_plan: Any = "auto") -> dict:
-    """Keyword arguments for `from_pretrained` that load the model tensor-parallel with `tp_plan`.
-
-    `{"distributed_config": DistributedConfig(tp_plan=tp_plan)}` where the installed transformers
-    takes it (>= 5.18 deprecates the bare argument), `{"tp_plan": tp_plan}` otherwise (older
-    releases, where `DistributedConfig` lacks `tp_plan` or `from_pretrained` ignores
-    `distributed_config`). Decided by what the installed version offers, not by its version string.
-    """
-    try:
-        from transformers import DistributedConfig
-    except ImportError:
-        return {"tp_plan": tp_plan}
-    if _config_has_tp_plan(DistributedConfig) and _from_pretrained_accepts("distributed_config"):
-        return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
-    return {"tp_plan": tp_plan}
 
 
 # transformers <= 5.17 implements its `replicated_with_grad_allreduce` TP style (Qwen3's, Gemma 3's,
@@ -200,11 +153,3 @@ def loop_free_experts(model) -> int:
         log.info("arfusion: %d experts module(s) now run loop-free (grouped GEMM), with no graph break per MoE layer",
                  changed)
     return changed
-
-
-def prepare_for_compile(model) -> dict[str, int]:
-    """Removes the graph breaks that transformers' own model code puts in an inference model, so
-    that every all-reduce meets its norm in one graph: `drop_grad_allreduce_hooks` and
-    `loop_free_experts`. Returns what each changed. Inference only."""
-    return {"grad_allreduce_hooks_dropped": drop_grad_allreduce_hooks(model),
-            "experts_made_loop_free": loop_free_experts(model)}

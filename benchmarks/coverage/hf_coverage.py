@@ -1,11 +1,11 @@
 """Coverage over every Hugging Face architecture with a tensor-parallel plan.
 
-    python benchmarks/hf_coverage.py                       # all of them, writes docs/coverage.md
-    python benchmarks/hf_coverage.py --only llama,olmo2    # a subset
-    python benchmarks/hf_coverage.py --tokens 1 --md docs/coverage_decode.md --json docs/data/coverage_decode.json
+    python benchmarks/coverage/hf_coverage.py                       # all of them, writes docs/coverage.md
+    python benchmarks/coverage/hf_coverage.py --only llama,olmo2    # a subset
+    python benchmarks/coverage/hf_coverage.py --tokens 1 --md docs/coverage_decode.md --json docs/data/coverage_decode.json
 
 Each causal-LM model type with a TP plan (`arfusion.check.architectures`) as a tiny config
-(`hf_tiny_configs.py`), random bf16 weights written by rank 0 and loaded by 2 gloo ranks with TP=2
+(`arfusion.hf.configs.tiny_config`), random bf16 weights written by rank 0 and loaded by 2 gloo ranks with TP=2
 (`arfusion.check.load_tp_model`): the eager model under an independent site counter
 (`hf_site_counter.py`), plain `torch.compile`, and `torch.compile` with the pass (backend "torch",
 through `arfusion.testing.compile_and_run` as `arfusion check`); logits errors max|a-b|/max|b|.
@@ -32,17 +32,17 @@ import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(HERE)]  # the arfusion next to this script, then the sweep's helpers
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 from hf_site_counter import HOW_IT_WORKS, count_sites, fmt_counts, other_shapes  # noqa: E402
-from hf_tiny_configs import tiny_config  # noqa: E402
 
 import arfusion  # noqa: E402
 from arfusion.check import architectures, load_tp_model, one_line, save_random_model  # noqa: E402
+from arfusion.hf.configs import tiny_config  # noqa: E402
 from arfusion.testing import compile_and_run, describe_rewrites  # noqa: E402
 
 TOKENS = 8  # one batch row of this many tokens; --tokens 1 is the shape of a batch-1 decode step
@@ -284,7 +284,7 @@ def summary(rows: list[dict]) -> dict:
             "failed": sum(1 for r in rows if r.get("error"))}
 
 
-NOISY_ERR = 2e-2  # the logits bar of the MoE issue; rows above it get a line in the header
+NOISY_ERR = 2e-2  # the logits bar of the MoE GPU checks (2e-2); rows above it get a line in the header
 ROW_HEADER = ("| model type | sites (counter) | fused | all-reduces: fused / merged / fast path / NCCL "
               "| other AR shapes / look-alikes | all-reduces rewritten "
               "| err pass vs compile | err compile vs eager | why not fused | why left on NCCL |")
@@ -297,7 +297,7 @@ def table_row(row: dict) -> str:
     cells = [f"`{row['model_type']}`", str(row.get("sites", "-")), str(row.get("fused", "-")), split,
              other_shapes(row.get("counter") or {}), describe_rewrites(row.get("rewrites") or {}),
              _fmt_err(row.get("err_pass_vs_compile")), _fmt_err(row.get("err_compile_vs_eager")), why_not(row),
-             fmt_counts(row.get("nccl_reasons") or {})]
+             fmt_counts(row.get("nccl_codes") or row.get("nccl_reasons") or {})]
     return "| " + " | ".join(c.replace("|", "/") for c in cells) + " |"
 
 
@@ -339,12 +339,13 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
       "other shapes, and the counter does not see Gemma's embedding all-reduce (its 0-d normaliser: fused here); "
       "errors are max|a−b|/max|b| of the logits (pass vs plain `torch.compile`, plain `torch.compile` vs eager: "
       "Inductor alone deviates on some MoE models, where a top-k router can turn a last-bit difference into "
-      "another expert); *why not* = `stats()['why_not']`, else the `arfusion` logger's \"not fused\" lines, else the "
-      "error that stopped the row; *all-reduces* = every all-reduce the pass met in the compiled forward: fused "
+      "another expert); *why not* = `stats()['why_not']` (the messages; the JSON also has them by code, "
+      "`why_not_codes`), else the `arfusion` logger's \"not fused\" lines, else the error that stopped the row; *all-reduces* = every all-reduce the pass met in the compiled forward: fused "
       "into a site, merged into another (one collective fewer), on the fast path (`arfusion::all_reduce`: "
       "FlashInfer's one-shot kernel or aiter's custom all-reduce on GPUs; the torch reference here, which takes "
       "every size, as a GPU backend does below its cap: every all-reduce of these 2-layer, 128-wide models is "
-      "far below the caps of H200's table, 4 MiB per rank at TP=2), or left on NCCL (*why left on NCCL*).\n\n")
+      "far below the caps of H200's table, 4 MiB per rank at TP=2), or left on NCCL (*why left on NCCL*, by "
+      "reason code: docs/usage.md).\n\n")
     noisy = [r for r in rows if (r.get("err_pass_vs_compile") or 0) > NOISY_ERR]
     if noisy:
         w(f"- pass vs compile above {NOISY_ERR:g}: " + ", ".join(
@@ -409,7 +410,7 @@ def driver_main(args) -> int:
     wall = time.time() - started
     fresh = {m: ({"model_type": m, "error": skipped[m]} if m in skipped else results[m]) for m in wanted}
     rows = [fresh.get(m, r) for m, r in previous.items()] + [r for m, r in fresh.items() if m not in previous]
-    command = "python benchmarks/hf_coverage.py" + (f" --only {args.only}" if args.only else "") + \
+    command = "python benchmarks/coverage/hf_coverage.py" + (f" --only {args.only}" if args.only else "") + \
         (f" --tokens {args.tokens}" if args.tokens != TOKENS else "")
     run = {"tokens": args.tokens, "command": command, "date": date, "wall_s": round(wall, 1),
            "torch": torch.__version__, "transformers": transformers.__version__, "arfusion": arfusion.__version__,

@@ -1,21 +1,78 @@
-"""Tiny configs for every Hugging Face causal-LM architecture with a tensor-parallel plan.
+"""Hugging Face configs cut down: to 2 decoder layers at the model's own widths (`keep_layers`,
+what `arfusion check` compiles) and further to tiny widths (`tiny_config`, what the tests and the
+coverage sweeps build every architecture with).
 
 `tiny_config(model_type)` shrinks the architecture's default config: 2 decoder layers, hidden 128,
 4 heads of 32 with 2 KV heads (divisible by TP=2), a 512-token vocabulary, 4 experts with top-2
 for MoE models, and every per-layer list (`layer_types`, `mlp_layer_types`, `mlp_only_layers`, ...)
 cut to 2 layers that keep the architecture's distinct layer kinds where it has several (the first
-layer and the first one that differs from it: `arfusion.check.keep_layers`, which `arfusion
-check` uses at real widths). Done generically from the config's attributes,
-with `OVERRIDES` for what a generic rule cannot know. Used by `benchmarks/hf_coverage.py`.
+layer and the first one that differs from it). Done generically from the config's attributes,
+with `OVERRIDES` for what a generic rule cannot know. transformers is imported inside the functions.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-from arfusion.check import keep_layers
-
 LAYERS = 2
+LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer")
+# At most this many of the first layers dense, so that a MoE layer remains among 2.
+DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
+# Lists of layer indices (not one entry per layer).
+INDEX_LISTS = ("mlp_only_layers", "moe_layers", "ple_layer_ids")
+
+
+def per_layer_lists(d: dict, layers: int) -> dict[str, list]:
+    """The config entries that hold one value per layer (`layer_types`, `mlp_layer_types`, ...)."""
+    return {k: v for k, v in d.items()
+            if isinstance(v, list) and len(v) == layers and layers > 1 and k not in INDEX_LISTS
+            and k != "eos_token_id"}
+
+
+def chosen_layers(d: dict) -> list[int]:
+    """The layers a 2-layer cut keeps: layer 0 and the first whose kinds differ from it (else 1)."""
+    layers = d.get("num_hidden_layers") or d.get("num_layers") or d.get("n_layer") or LAYERS
+    per_layer = per_layer_lists(d, layers)
+    overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
+    if not per_layer and not overrides:
+        return list(range(LAYERS))
+    sig = [tuple(repr(v[i]) for v in per_layer.values()) + (repr(overrides.get(i)),) for i in range(layers)]
+    return [0, next((i for i in range(1, layers) if sig[i] != sig[0]), 1)]
+
+
+def keep_layers(d: dict, other=None, finish=None, override=None, _top: bool = True) -> dict:
+    """A config dict (`config.to_dict()`) cut to 2 decoder layers of the kinds `chosen_layers`
+    picks: layer counts, per-layer lists, index lists, dense prefixes, per-layer overrides; and
+    the same in every sub-config (text_config, ...). Hooks for a caller that changes more
+    (`tiny_config`): `other(key, value)` gives every other entry its value,
+    `override(values, d)` each kept per-layer override's, `finish(d, top)` ends each level."""
+    d = copy.deepcopy(d)
+    source = dict(d)
+    layers = d.get("num_hidden_layers") or d.get("num_layers") or d.get("n_layer") or LAYERS
+    per_layer = per_layer_lists(d, layers)
+    overrides = {int(k): v for k, v in (d.get("per_layer_config") or {}).items()}
+    chosen = chosen_layers(d)
+    for key, value in list(d.items()):
+        if key == "per_layer_config" and value:
+            d[key] = {str(j): override(overrides[i], source) if override else overrides[i]
+                      for j, i in enumerate(chosen) if i in overrides}
+        elif isinstance(value, dict) and ("hidden_size" in value or "model_type" in value):
+            d[key] = keep_layers(value, other, finish, override, _top=False)
+        elif key in per_layer:
+            d[key] = [value[i] for i in chosen]
+        elif key in INDEX_LISTS and isinstance(value, list):
+            d[key] = [j for j, i in enumerate(chosen) if i in value]
+        elif key in DENSE_PREFIX and isinstance(value, int) and not isinstance(value, bool):
+            d[key] = min(value, LAYERS - 1)
+        elif key in LAYER_COUNTS and isinstance(value, int) and not isinstance(value, bool):
+            d[key] = LAYERS
+        elif other is not None:
+            d[key] = other(key, value)
+    return finish(d, _top) if finish else d
+
+
+# ----------------------------------------------------------------------------- tiny widths
 HIDDEN = 128
 HEADS = 4
 HEAD_DIM = HIDDEN // HEADS

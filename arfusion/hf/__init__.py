@@ -1,0 +1,34 @@
+"""Hugging Face helpers, for whatever transformers version is installed (decided by what it
+offers, never by its version string).
+
+    model = AutoModelForCausalLM.from_pretrained(path, **arfusion.hf.tp_kwargs("auto"))
+    arfusion.hf.prepare_for_compile(model)   # before torch.compile, generate(compile) or generate_batch
+
+- `tp_kwargs`: the keywords that load a model tensor-parallel (`loading`);
+- `prepare_for_compile`: removes the graph breaks that transformers' own code puts between an
+  all-reduce and its norm: gradient-only hooks and looped experts in model code (`model_code`),
+  and the paged-cache update of continuous batching (`paged_cache`).
+
+transformers is imported lazily, inside the functions: `import arfusion.hf` does not import it.
+"""
+
+from __future__ import annotations
+
+from .loading import tp_kwargs
+from .model_code import drop_grad_allreduce_hooks, loop_free_experts
+from .paged_cache import keep_paged_cache_in_graph, release_paged_cache
+
+__all__ = ["tp_kwargs", "prepare_for_compile", "drop_grad_allreduce_hooks", "loop_free_experts",
+           "keep_paged_cache_in_graph", "release_paged_cache"]
+
+
+def prepare_for_compile(model) -> dict[str, int]:
+    """Removes the graph breaks that transformers' own code puts in an inference model, so that
+    every all-reduce meets its norm in one graph; returns what each step changed:
+    `grad_allreduce_hooks_dropped` and `experts_made_loop_free` (this model's modules), and
+    `paged_cache_in_graph` (1 where continuous batching's caches now keep their update in the
+    graph, for every model of the process: `keep_paged_cache_in_graph`). Inference only."""
+    in_graph, _ = keep_paged_cache_in_graph()
+    return {"grad_allreduce_hooks_dropped": drop_grad_allreduce_hooks(model),
+            "experts_made_loop_free": loop_free_experts(model),
+            "paged_cache_in_graph": int(in_graph)}

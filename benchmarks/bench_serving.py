@@ -1,0 +1,224 @@
+"""Serving with transformers' continuous batching (`generate_batch`), with and without the pass.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_serving.py --out results/               # 2 GPUs (NCCL)
+    torchrun --nproc-per-node 2 benchmarks/bench_serving.py --model-type qwen3_moe --layers 24
+    python benchmarks/bench_serving.py --fake-world 2 --layers 8 --out results/          # TP=2's host path, one GPU
+    torchrun --nproc-per-node 2 benchmarks/bench_serving.py --shared-gpu --tiny          # both ranks on one GPU
+    torchrun --nproc-per-node 2 benchmarks/bench_serving.py --cpu --tiny                 # CPU dry run (gloo)
+
+A model built from a config (Llama-3-8B shape by default, or Qwen3-30B-A3B: --model-type
+qwen3_moe; benchmarks/decode_model.py's presets), random bf16 weights, loaded with
+`tp_plan="auto"` and `arfusion.hf.prepare_for_compile`. For each batch mix (--mixes: 1 request;
+16 and 64 concurrent requests; each request --prompt prompt tokens and --new output tokens,
+greedy) and each config, "off" (the varlen and decode paths compiled by Inductor alone) and "on"
+(the same with the pass), side by side in one run. Per config one manager serves every call, as
+a server keeps one (`persistent_manager`): a first call of the largest mix compiles, captures
+transformers' CUDA graphs and sizes the cache, then each mix runs --repeats timed calls that
+reuse them. transformers' own CUDA graphs are on (--no-cuda-graphs turns them off).
+
+Per call, from transformers' per-token timestamps (`record_timestamps`): time to first token
+(from the request's admission), inter-token latency (median and p90 over every gap of every
+request), and output tokens per second (all new tokens over the first admission to the last
+token). The table holds the medians over the timed calls and the ratio on / off. Greedy tokens
+of "on" against "off": identical up to the first step where the model's two best logits are
+within bf16 rounding (arfusion.testing.greedy_departures).
+
+--fake-world N: one process standing for rank 0 of TP=N through torch's fake process group
+(collectives compute nothing): the host path, graphs and kernels of a TP=N rank, without peers;
+the pass runs its torch backend (FlashInfer needs peers). --shared-gpu: torchrun 2, both ranks on
+GPU 0 over gloo with FlashInfer (tests/gpu/shared_gpu.py; the ranks take turns: correctness and
+dispatch, not speed; the LM head is replicated and "off" runs without CUDA graphs, since gloo
+collectives cannot be captured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests" / "gpu")]
+from common import no_multicast, save_json  # noqa: E402
+from decode_model import init_world, model_config, random_checkpoint  # noqa: E402
+
+import arfusion  # noqa: E402
+from arfusion.hf import prepare_for_compile, tp_kwargs  # noqa: E402
+from arfusion.testing import fake_gloo_groups, generate_batch, greedy_departures  # noqa: E402
+
+CONFIGS = ("off", "on")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def serving_metrics(outputs: dict) -> dict:
+    """TTFT, ITL and throughput of one generate_batch call, from its per-token timestamps."""
+    ttft, gaps, tokens = [], [], 0
+    starts, ends = [], []
+    for out in outputs.values():
+        stamps = out.timestamps or []
+        if not stamps:
+            continue
+        ttft.append(stamps[0] - out.created_time)
+        gaps += [b - a for a, b in zip(stamps, stamps[1:])]
+        tokens += len(out.generated_tokens)
+        starts.append(out.created_time)
+        ends.append(stamps[-1])
+    span = max(ends) - min(starts)
+    return {"ttft_ms": 1e3 * statistics.median(ttft), "itl_ms": 1e3 * statistics.median(gaps),
+            "itl_p90_ms": 1e3 * percentile(gaps, 0.9), "tokens_per_s": tokens / span, "new_tokens": tokens}
+
+
+def prompts_for(requests: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(requests)
+    return torch.randint(3, vocab, (requests, length), generator=g).tolist()
+
+
+def load(args, device):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call persistent-manager warning
+    config = model_config(args, dist.get_world_size())
+    path = random_checkpoint(config, device, args.ckpt_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                 **tp_kwargs("auto")).eval()
+    prepared = prepare_for_compile(model)
+    if args.shared_gpu and args.cuda_graphs:  # a gloo all-gather cannot be captured: the LM head whole
+        from safetensors.torch import load_file
+
+        weights = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        full = weights["lm_head.weight"]
+        model.lm_head = torch.nn.Linear(full.shape[1], full.shape[0], bias=False, dtype=full.dtype, device=device)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(full)
+    return config, model, prepared
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-type", default="llama", choices=["llama", "qwen3", "qwen3_moe"])
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the preset's)")
+    p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 512 (correctness runs)")
+    p.add_argument("--mixes", default="1,16,64", help="concurrent requests per call, comma-separated")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2, help="timed calls per mix and config")
+    p.add_argument("--configs", default="off,on")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    p.add_argument("--max-memory-percent", type=float, default=0.5, help="of free GPU memory for the KV cache")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--fake-world", type=int, default=0, metavar="N")
+    p.add_argument("--shared-gpu", action="store_true")
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--out", default="results")
+    args = p.parse_args()
+    args.rank_of, args.argv = 0, sys.argv[1:]
+    no_multicast()
+    fakes = contextlib.ExitStack()
+    cuda = torch.cuda.is_available() and not args.cpu
+    if args.shared_gpu:
+        import shared_gpu
+
+        device = shared_gpu.init(True, hang_s=float(os.environ.get("CHECK_HANG_S", 0)) or None)
+    else:
+        if cuda:
+            torch.cuda.set_device(0 if args.fake_world else int(os.environ.get("LOCAL_RANK", 0)))
+        init_world(args, cuda)
+        if args.fake_world:  # continuous batching's scheduling group (gloo) joins the fake world too
+            fakes.enter_context(fake_gloo_groups())
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    args.cuda_graphs = args.cuda_graphs and cuda
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch._dynamo.config.recompile_limit = 64  # varlen shapes, off and on share the forward's code
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    say = print if rank == 0 else (lambda *a, **k: None)
+    backend = "torch" if (args.fake_world or not cuda) else args.backend
+    config, model, prepared = load(args, device)
+    import transformers
+
+    cb = {"max_memory_percent": args.max_memory_percent} if cuda else {}
+    if cuda:
+        cb.update(num_blocks=None, max_batch_tokens=None)
+    result = {"meta": {"command": f"{'python' if args.fake_world else f'torchrun --nproc-per-node {world}'} "
+                                  f"benchmarks/bench_serving.py {' '.join(args.argv)}",
+                       "date": time.strftime("%Y-%m-%d %H:%M"), "model_type": config.model_type,
+                       "layers": config.num_hidden_layers, "hidden": config.hidden_size, "world": world,
+                       "fake_world": args.fake_world, "shared_gpu": args.shared_gpu, "cuda_graphs": args.cuda_graphs,
+                       "prompt": args.prompt, "new": args.new, "backend": backend, "prepared": prepared,
+                       "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+                       "transformers": transformers.__version__}, "configs": {}, "mixes": {}}
+    out = Path(args.out, f"serving_{config.model_type}_w{world}{'_fake' if args.fake_world else ''}"
+                         f"{'_shared' if args.shared_gpu else ''}.json")
+    passes = {"off": None, "on": arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend)}
+    mixes = [int(m) for m in args.mixes.split(",")]
+    prompts = {n: prompts_for(n, args.prompt, config.vocab_size) for n in mixes}
+    runs = {}
+    for name in args.configs.split(","):
+        # Over gloo (--shared-gpu) Inductor alone leaves gloo all-reduces, which cannot be captured.
+        graphs = args.cuda_graphs and not (args.shared_gpu and name == "off")
+        arfusion.reset_stats()
+        # One manager per config, kept across calls as a server keeps it: the first call (the largest
+        # mix) compiles, captures and sizes it; the timed calls reuse its graphs and cache.
+        first = generate_batch(model, prompts[max(mixes)], args.new, config=passes[name], cuda_graphs=graphs,
+                               record_timestamps=True, persistent=True, **cb)
+        say(f"{name}: first call (compile, CUDA-graph capture, {max(mixes)} requests) {first.seconds:.1f}s")
+        for requests in mixes:
+            calls = []
+            for _ in range(args.repeats):
+                run = generate_batch(model, prompts[requests], args.new, config=passes[name], cuda_graphs=graphs,
+                                     record_timestamps=True, persistent=True, **cb)
+                calls.append(dict(serving_metrics(run.outputs), seconds=run.seconds))
+                runs[(name, requests)] = run
+            row = result["mixes"].setdefault(str(requests), {})
+            row[name] = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
+            row[name].update(calls=calls, cuda_graphs=graphs)
+            say(f"{requests} requests, {name}: " + ", ".join(f"{k} {row[name][k]:.3g}" for k in
+                                                             ("ttft_ms", "itl_ms", "itl_p90_ms", "tokens_per_s")))
+        model.destroy_cached_continuous_batching_manager()
+        # Its CUDA-graph pool goes now, not in a garbage collection during the next capture (torch 2.11 aborts).
+        gc.collect()
+        stats = arfusion.stats()
+        result["configs"][name] = {"first_call_s": first.seconds, "fused_sites": stats["fused_sites"],
+                                   "dispatch": stats["dispatch"], "dispatch_in_cuda_graphs": stats["dispatch_in_cuda_graphs"],
+                                   "split_by_graph_breaks": stats["split_by_graph_breaks"], "graphs": stats["graphs"]}
+        if rank == 0:
+            save_json(str(out), result)
+    for requests in mixes:
+        row = result["mixes"][str(requests)]
+        if ("off", requests) in runs and ("on", requests) in runs:
+            departures = greedy_departures(model, prompts[requests], runs[("off", requests)], runs[("on", requests)])
+            row["tokens"] = {"ok": all(d["ok"] for d in departures),
+                             "departures": [d for d in departures if d["departs_at"] is not None]}
+            row["on_over_off"] = {k: row["on"][k] / row["off"][k] for k in ("ttft_ms", "itl_ms", "tokens_per_s")}
+            say(f"{requests} requests, on / off: " + ", ".join(f"{k} {v:.3f}" for k, v in row["on_over_off"].items())
+                + f"; tokens ok: {row['tokens']['ok']}")
+    if rank == 0:
+        save_json(str(out), result)
+    if rank == 0:
+        print(json.dumps({m: r.get("on_over_off") for m, r in result["mixes"].items()}), flush=True)
+    dist.barrier()
+    fakes.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
