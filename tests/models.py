@@ -186,11 +186,11 @@ def experts_sum_float64(experts, x, index, weights):
     return out
 
 
-def op_arguments(node) -> tuple:
-    """An op node's arguments in schema order (the pass calls arfusion's ops by keyword)."""
+def op_arguments(node) -> dict:
+    """An op node's arguments by schema name, defaults filled in (the pass calls arfusion's ops by keyword)."""
     names = [a.name for a in node.target._schema.arguments]
     given = dict(zip(names, node.args), **node.kwargs)
-    return tuple(given.get(a.name, a.default_value) for a in node.target._schema.arguments)
+    return {a.name: given.get(a.name, a.default_value) for a in node.target._schema.arguments}
 
 
 def unfused_all_reduces(graph) -> int:

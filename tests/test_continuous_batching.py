@@ -11,8 +11,6 @@ two real ranks. Models are tiny (arfusion.hf.configs.tiny_config), fp32, random 
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import tempfile
 
 import pytest

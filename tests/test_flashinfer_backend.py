@@ -26,7 +26,6 @@ from arfusion.core import Call, Form
 from arfusion.decisions import Why
 
 from .fake_flashinfer import B200, H200, install_fake_flashinfer, remove_fake_flashinfer
-from .fake_flashinfer import FakeWorkspace  # noqa: F401  (tests/test_moe_combine.py still reads it from here)
 
 MiB = dispatch.MiB
 CUDA = torch.device("cuda", 0)

@@ -9,8 +9,6 @@ its transforms; here a stand-in wrapper shaped as transformers' is checked.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch

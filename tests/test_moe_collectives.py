@@ -15,8 +15,8 @@ from torch import nn
 
 import arfusion
 
-from .test_match_by_meaning import NORMS, assert_matches_eager, run
 from .helpers import assert_close, compiled_vs_eager, run_workers
+from .sites import NORMS, assert_matches_eager, run
 
 H = 256
 E = 4
@@ -116,7 +116,7 @@ def test_a_scaled_all_reduce_with_a_replicated_term_fuses(fake_pg):
     arfusion.reset_stats()
     fused, left, actual, expected, stats = run(ReplicatedSharedExpert(routed_scale=2.5))
     assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
-    assert fused[0][-2] == 2.5  # input_scale (input_scale_tensor is last)
+    assert fused[0]["input_scale"] == 2.5
     for a, e in zip(actual, expected):
         assert_close(a, e, torch.bfloat16, "scaled + replicated")
 
@@ -129,7 +129,7 @@ def test_a_scaled_sum_with_a_replicated_term_is_split_and_fuses(fake_pg, gated, 
     arfusion.reset_stats()
     fused, left, actual, expected, stats = run(ReplicatedSharedExpert(gated=gated, sum_scale=sum_scale))
     assert len(fused) == 1 and left == 0 and stats["scaled_all_reduces_fused"] == 1, stats
-    assert fused[0][-2] == 0.22 and stats["scaled_sums_distributed"] == (not gated), stats
+    assert fused[0]["input_scale"] == 0.22 and stats["scaled_sums_distributed"] == (not gated), stats
     for a, e in zip(actual, expected):
         assert_close(a, e, torch.bfloat16, "scaled sum")
 
@@ -156,7 +156,7 @@ def test_a_gated_sum_that_is_not_added_to_a_residual_keeps_both_all_reduces(fake
 
 def test_routed_plus_shared_becomes_one_all_reduce_and_fuses(fake_pg):
     fused, left, actual, expected, stats = run(RoutedPlusShared())
-    assert left == 0 and len(fused) == 1 and fused[0][1] is not None  # the residual is the op's
+    assert left == 0 and len(fused) == 1 and fused[0]["residual"] is not None  # the residual is the op's
     assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
     assert_matches_eager(actual, expected)
 
@@ -200,7 +200,7 @@ def test_other_spellings_of_two_summed_all_reduces_become_one(fake_pg, shape):
     one all-reduce fewer; the two sums are taken in another order, so within their rounding."""
     arfusion.reset_stats()
     fused, left, actual, expected, stats = run(RoutedPlusShared(**{shape: True}))
-    assert left == 0 and len(fused) == 1 and fused[0][1] is not None  # the residual is the op's
+    assert left == 0 and len(fused) == 1 and fused[0]["residual"] is not None  # the residual is the op's
     assert stats["summed_all_reduces_merged"] == 1 and stats["fused_sites"] == 1
     for a, e in zip(actual, expected):
         assert_close(a, e, torch.bfloat16, shape)

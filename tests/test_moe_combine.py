@@ -16,12 +16,12 @@ import torch.distributed as dist
 from torch import nn
 
 import arfusion
+from arfusion.decisions import Why
 from arfusion.fusion_pass import ArFusionPass, ChainedPass
-from arfusion.graph_utils import ALL_REDUCE
 
 from .models import unfused_all_reduces
-from .test_match_by_meaning import NORMS
 from .helpers import assert_close, run_workers
+from .sites import NORMS
 
 H, E, K, T = 128, 4, 2, 6
 FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
@@ -383,7 +383,7 @@ def test_flashinfer_dispatch_entry_is_decode_only(monkeypatch, tmp_path):
     from arfusion.backends import flashinfer_dispatch as dispatch
     from arfusion.core import Call, Form
 
-    from .test_flashinfer_backend import H200, install_fake_flashinfer, remove_fake_flashinfer
+    from .fake_flashinfer import H200, install_fake_flashinfer, remove_fake_flashinfer
 
     monkeypatch.setenv(dispatch.CACHE_ENV, str(tmp_path / "tuning.json"))
     monkeypatch.setattr(fi, "device_facts", lambda index: H200)
@@ -401,17 +401,17 @@ def test_flashinfer_dispatch_entry_is_decode_only(monkeypatch, tmp_path):
         monkeypatch.delenv(dispatch.MOE_FINALIZE_OPT_IN_ENV, raising=False)
         hash_off = dispatch.table_hash()
         for tokens in (1, cap, None):
-            assert backend.moe_combine_why_not(call(tokens), 8, None) == dispatch.MOE_FINALIZE_OFF_REASON
+            assert backend.moe_combine_why_not(call(tokens), 8, None).code is Why.NO_KERNEL
         monkeypatch.setenv(dispatch.MOE_FINALIZE_OPT_IN_ENV, "1")
         assert dispatch.table_hash() != hash_off  # ranks that disagree on the opt-in use no workspace together
         assert backend.moe_combine_why_not(call(cap), 8, cap * 8) is None
         assert backend.moe_combine_why_not(call(None), 8, None) is None  # left to run time
-        assert "tokens >" in backend.moe_combine_why_not(call(cap + 1), 8, None)
-        assert "no MoE-finalize dispatch entry" in backend.moe_combine_why_not(call(1, world=4), 8, None)
-        assert "unquantized" in backend.moe_combine_why_not(call(1, quant="fp8_dynamic"), 8, None)
+        assert backend.moe_combine_why_not(call(cap + 1), 8, None).code is Why.SIZE_CAP
+        assert backend.moe_combine_why_not(call(1, world=4), 8, None).code is Why.NO_TABLE
+        assert backend.moe_combine_why_not(call(1, quant="fp8_dynamic"), 8, None).code is Why.QUANT_FORM
         from arfusion.backends.base import Backend
 
-        assert "no fused MoE-combine kernel" in Backend(name="aiter").moe_combine_why_not(call(1), 8, None)
+        assert Backend(name="aiter").moe_combine_why_not(call(1), 8, None).code is Why.NO_KERNEL
     finally:
         remove_fake_flashinfer()
         fi._environment_problem.cache_clear()
@@ -425,7 +425,7 @@ def _flashinfer_worker(rank):
     from arfusion.backends import get_backend
     from arfusion.core import Form
 
-    from . import test_flashinfer_backend as tfb
+    from . import fake_flashinfer as tfb
 
     import os
 
@@ -487,8 +487,9 @@ def _flashinfer_worker(rank):
             weight = (1 + 0.1 * torch.randn(256)).to(torch.bfloat16)
             shared = torch.randn(tokens, 256, dtype=torch.bfloat16) if with_shared else None
             got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
-                rows, scale, index, 8, scale_first, residual, weight, 1e-6, None, group, "rms", "none", None, True,
-                "flashinfer", -1, shared=shared, routed_scale=routed_scale, input_scale=input_scale)
+                rows=rows, scale=scale, index=index, top_k=8, scale_first=scale_first, residual=residual,
+                weight=weight, eps=1e-6, eps_tensor=None, group_name=group, norm="rms", quant="none", quant_scale=None,
+                emit_norm=True, backend="flashinfer", shared=shared, routed_scale=routed_scale, input_scale=input_scale)
             want = reference.unfused(reference.moe_combine(rows, scale, index, 8, scale_first, shared, routed_scale),
                                      residual, weight, 1e-6, group, site, None, input_scale)
             for g, w in zip(got, want):
@@ -539,8 +540,9 @@ def _flashinfer_worker(rank):
             scale, residual = torch.rand(32, 1, dtype=torch.bfloat16), torch.randn(4, 256, dtype=torch.bfloat16)
             weight = torch.ones(256, dtype=torch.bfloat16)
             got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
-                rows, scale, index, 8, True, residual, weight, 1e-6, None, other.group_name, "rms", "none", None,
-                True, "flashinfer", None)
+                rows=rows, scale=scale, index=index, top_k=8, scale_first=True, residual=residual, weight=weight,
+                eps=1e-6, eps_tensor=None, group_name=other.group_name, norm="rms", quant="none", quant_scale=None,
+                emit_norm=True, backend="flashinfer")
             want = reference.unfused(reference.moe_combine(rows, scale, index, 8, True), residual, weight, 1e-6,
                                      other.group_name, site)
             assert all(torch.allclose(g.float(), w.float(), atol=0.05, rtol=0.02) for g, w in zip(got, want))

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -21,7 +15,7 @@ from .helpers import assert_close, compiled_vs_eager, run_workers  # noqa: F401
 
 
 def _all_spellings(rank, dtype, dynamic):
-    from .test_patterns import AllSpellings, inputs
+    from .sites import AllSpellings, inputs
 
     torch.manual_seed(0)  # same weights on every rank
     model = AllSpellings(dtype)
@@ -76,7 +70,8 @@ def _op_outputs_by_name(rank):
         for res in (residual, None):
             site = Form(residual=res is not None, norm="rms")
             outs = torch.ops.arfusion.fused_allreduce_rmsnorm(
-                x, res, weight, 1e-6, None, group, "rms", "none", None, True, "torch", max_bytes)
+                x=x, residual=res, weight=weight, eps=1e-6, eps_tensor=None, group_name=group, norm="rms",
+                quant="none", quant_scale=None, emit_norm=True, backend="torch", max_bytes=max_bytes)
             h = reduced if res is None else res + reduced
             expected = {"residual": h, "norm": reference.rms_norm(h, weight, 1e-6, "rms")}
             for name, out in zip(site.outputs(), outs):
@@ -152,7 +147,7 @@ def _spellings_by_meaning(rank, dynamic):
     """One model holding sites of many spellings (norms, the MoE view, quants), on real ranks."""
     from torch import nn
 
-    from .test_match_by_meaning import NORMS, QUANTS, SCALED, EmbeddingScaled, Site
+    from .sites import NORMS, QUANTS, SCALED, EmbeddingScaled, Site
 
     # Every spelling once; under dynamic shapes (slower to compile) one of each kind.
     norm_names = list(NORMS) if not dynamic else ["hf_llama", "olmo2_weight_in_fp32", "gemma_one_plus_weight",
@@ -178,11 +173,11 @@ def _spellings_by_meaning(rank, dynamic):
     torch.manual_seed(100 + rank)  # different activations per rank: the all-reduce matters
     inputs = (torch.randn(2, 5, 256, dtype=torch.bfloat16), torch.randn(2, 5, 256, dtype=torch.bfloat16))
     actual, expected, stats = compiled_vs_eager(model, inputs, dynamic=dynamic)
-    assert stats["fused_sites"] == len(model.sites) and not stats["why_not"], stats
+    assert stats["fused_sites"] == len(model.sites) and not stats["why_not_codes"], stats
     assert stats["scaled_all_reduces_fused"] == 3, stats
     for i, (a, e) in enumerate(zip(actual, expected)):
         if a.dtype == torch.float8_e4m3fn:
-            from .test_match_by_meaning import assert_fp8_close
+            from .sites import assert_fp8_close
             assert_fp8_close(a, e)
         else:
             assert_close(a, e, torch.bfloat16, f"output {i}")

@@ -17,7 +17,7 @@ from arfusion import quant as Q
 
 from .models import RowParallelThenNorm
 from .helpers import assert_close, compiled_vs_eager, run_workers
-from .test_patterns import compile_and_inspect
+from .sites import compile_and_inspect
 
 nvfp4_tensor = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
 
@@ -80,7 +80,7 @@ def test_torchao_nvfp4_fuses(fake_pg, residual, global_scale):
     add = "add_" if residual != "none" else ""
     assert stats["by_pattern"] == {f"allreduce_{add}rmsnorm_nvfp4": 1} and left == 0
     [args] = fused
-    assert (args[8] is not None) == global_scale  # the global scale reaches the op
+    assert (args["quant_scale"] is not None) == global_scale  # the global scale reaches the op
 
 
 def test_norm_used_elsewhere_gives_the_with_norm_variant(fake_pg):

@@ -10,49 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 import arfusion
-from arfusion.edits import FUSED_OP
 from arfusion.fusion_pass import ALL_REDUCE, ArFusionPass, ChainedPass
 
-from .models import RowParallelThenNorm, TinyDecoder, op_arguments, unfused_all_reduces
-
-HIDDEN = 64
-RESIDUALS = ("first", "last", "none")
-NORMS = ("llama", "llama_weight_last", "gemma")
-
-
-def compile_and_inspect(module, *inputs, config=None, dynamic=False):
-    """Compile with the pass; return (fused-op nodes' args, all_reduce nodes left, stats)."""
-    seen = {}
-
-    def inspect(graph):
-        seen["fused"] = [op_arguments(n) for n in graph.nodes if n.target is FUSED_OP]
-        seen["left"] = unfused_all_reduces(graph)
-
-    config = config or arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")
-    options = {"post_grad_custom_post_pass": ChainedPass([ArFusionPass(config), inspect])}
-    with torch.no_grad():
-        torch.compile(module, options=options, dynamic=dynamic)(*inputs)
-    return seen["fused"], seen["left"], arfusion.stats()
-
-
-class AllSpellings(nn.Module):
-    """One site per (residual spelling, norm spelling), each with its own eps."""
-
-    EPS = (1e-5, 1e-6, 3e-4, 0.1, 1e-8, 2e-5, 7e-6, 1e-3, 5e-2)
-
-    def __init__(self, dtype):
-        super().__init__()
-        combos = [(r, n) for r in RESIDUALS for n in NORMS]
-        self.sites = nn.ModuleList(RowParallelThenNorm(HIDDEN, norm=n, residual=r, eps=eps, dtype=dtype)
-                                   for (r, n), eps in zip(combos, self.EPS))
-        self.combos = combos
-
-    def forward(self, x, residual):
-        return [site(x, residual) for site in self.sites]
-
-
-def inputs(dtype, tokens=8):
-    return torch.randn(2, tokens, HIDDEN, dtype=dtype), torch.randn(2, tokens, HIDDEN, dtype=dtype)
+from .models import RowParallelThenNorm, TinyDecoder
+from .sites import PATTERN_HIDDEN, AllSpellings, compile_and_inspect, inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -66,25 +27,25 @@ def test_every_spelling_fuses_with_its_own_eps(fake_pg, dtype):
     # Each site keeps its own eps, norm form and residual form.
     expected = {(eps, "gemma_rms" if n == "gemma" else "rms", r != "none")
                 for (r, n), eps in zip(model.combos, model.EPS)}
-    got = {(args[3], args[6], args[1] is not None) for args in fused}
+    got = {(args["eps"], args["norm"], args["residual"] is not None) for args in fused}
     assert got == expected
 
 
 def test_dynamic_shapes_fuse_with_tensor_eps(fake_pg):
     fused, left, _ = compile_and_inspect(AllSpellings(torch.bfloat16), *inputs(torch.bfloat16), dynamic=True)
     assert len(fused) == 9 and left == 0
-    assert all(args[4] is not None for args in fused)  # eps arrives as a 0-d tensor
+    assert all(args["eps_tensor"] is not None for args in fused)  # eps arrives as a 0-d tensor
 
 
 def test_decoder_has_2L_plus_1_sites(fake_pg):
     layers = 3
-    fused, left, stats = compile_and_inspect(TinyDecoder(HIDDEN, layers), torch.randn(1, 5, HIDDEN, dtype=torch.bfloat16))
+    fused, left, stats = compile_and_inspect(TinyDecoder(PATTERN_HIDDEN, layers), torch.randn(1, 5, PATTERN_HIDDEN, dtype=torch.bfloat16))
     assert stats["fused_sites"] == 2 * layers + 1 and left == 0
     assert stats["by_pattern"] == {"allreduce_rmsnorm": 1, "allreduce_add_rmsnorm": 2 * layers}
 
 
 def test_residual_sum_not_used_later_still_fuses(fake_pg):
-    model = RowParallelThenNorm(HIDDEN, sum_unused=True)
+    model = RowParallelThenNorm(PATTERN_HIDDEN, sum_unused=True)
     fused, left, _ = compile_and_inspect(model, *inputs(torch.bfloat16))
     assert len(fused) == 1 and left == 0
 
@@ -95,10 +56,10 @@ def test_tp_subgroup_fuses_with_its_own_group():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
         tp_group = dist.new_group([0, 1])
-        model = RowParallelThenNorm(HIDDEN, group=tp_group)
+        model = RowParallelThenNorm(PATTERN_HIDDEN, group=tp_group)
         fused, left, _ = compile_and_inspect(model, *inputs(torch.bfloat16))
         assert left == 0
-        assert [args[5] for args in fused] == [tp_group.group_name]
+        assert [args["group_name"] for args in fused] == [tp_group.group_name]
         assert tp_group.group_name != dist.group.WORLD.group_name
     finally:
         dist.destroy_process_group()
@@ -158,7 +119,7 @@ class NormalizedFp32UsedElsewhere(RowParallelThenNorm):
 @pytest.mark.parametrize("model_cls", [MaxReduce, NormOverOtherDim, LayerNormAfter, RsqrtUsedElsewhere,
                                        NormalizedFp32UsedElsewhere])
 def test_lookalikes_stay_unfused(fake_pg, model_cls):
-    fused, left, stats = compile_and_inspect(model_cls(HIDDEN), *inputs(torch.bfloat16))
+    fused, left, stats = compile_and_inspect(model_cls(PATTERN_HIDDEN), *inputs(torch.bfloat16))
     assert fused == [] and left == 1 and stats["fused_sites"] == 0
 
 
@@ -168,7 +129,7 @@ def test_lookalikes_stay_unfused(fake_pg, model_cls):
 def test_size_cap_declines_at_compile_time_and_says_why(fake_pg, caplog):
     config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch", max_size_mb={2: 0.001})
     with caplog.at_level(logging.INFO, logger="arfusion"):
-        fused, left, _ = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16), config=config)
+        fused, left, _ = compile_and_inspect(RowParallelThenNorm(PATTERN_HIDDEN), *inputs(torch.bfloat16), config=config)
     assert fused == [] and left == 1
     assert "not fused" in caplog.text and "cap 1048" in caplog.text
 
@@ -191,7 +152,7 @@ def _all_reduces_by_kind(module, *inputs, config):
 
 def test_declined_site_all_reduces_on_the_callers_stream(fake_pg, monkeypatch, caplog):
     capped = dict(enable_allreduce_fusion=True, backend="torch", max_size_mb={2: 0}, fast_all_reduce=False)
-    model, args = TinyDecoder(HIDDEN, layers=2), (torch.randn(1, 6, HIDDEN, dtype=torch.bfloat16),)
+    model, args = TinyDecoder(PATTERN_HIDDEN, layers=2), (torch.randn(1, 6, PATTERN_HIDDEN, dtype=torch.bfloat16),)
     # On CPU the functional all-reduce stays (the gain is a CUDA-graph one).
     assert _all_reduces_by_kind(model, *args, config=arfusion.PassConfig(**capped)) == (5, 0)
     monkeypatch.setattr(arfusion.policy, "current_stream_pays", lambda device: True)  # as on CUDA
@@ -217,32 +178,32 @@ def test_declined_site_all_reduces_on_the_callers_stream(fake_pg, monkeypatch, c
 
 def test_cap_for_another_world_size_does_not_apply(fake_pg):
     config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch", max_size_mb={4: 0})
-    fused, _, _ = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16), config=config)
+    fused, _, _ = compile_and_inspect(RowParallelThenNorm(PATTERN_HIDDEN), *inputs(torch.bfloat16), config=config)
     assert len(fused) == 1
 
 
 def test_env_opt_out(fake_pg, monkeypatch):
     monkeypatch.setenv("ARFUSION_DISABLE", "1")
-    fused, left, _ = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16))
+    fused, left, _ = compile_and_inspect(RowParallelThenNorm(PATTERN_HIDDEN), *inputs(torch.bfloat16))
     assert fused == [] and left == 1
 
 
 def test_flag_off_does_nothing(fake_pg):
     config = arfusion.PassConfig(enable_allreduce_fusion=False)
-    fused, left, _ = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16), config=config)
+    fused, left, _ = compile_and_inspect(RowParallelThenNorm(PATTERN_HIDDEN), *inputs(torch.bfloat16), config=config)
     assert fused == [] and left == 1
 
 
 def test_auto_on_cpu_uses_the_torch_backend(fake_pg):
     config = arfusion.PassConfig(enable_allreduce_fusion=True)
-    fused, _, stats = compile_and_inspect(RowParallelThenNorm(HIDDEN), *inputs(torch.bfloat16), config=config)
-    assert [args[10] for args in fused] == ["auto"]
+    fused, _, stats = compile_and_inspect(RowParallelThenNorm(PATTERN_HIDDEN), *inputs(torch.bfloat16), config=config)
+    assert [args["backend"] for args in fused] == ["auto"]
     assert stats["dispatch"] == {"torch": 1}
 
 
 def test_one_info_line_per_graph(fake_pg, caplog):
     with caplog.at_level(logging.INFO, logger="arfusion"):
-        compile_and_inspect(TinyDecoder(HIDDEN, 1), torch.randn(1, 3, HIDDEN, dtype=torch.bfloat16))
+        compile_and_inspect(TinyDecoder(PATTERN_HIDDEN, 1), torch.randn(1, 3, PATTERN_HIDDEN, dtype=torch.bfloat16))
     lines = [r.getMessage() for r in caplog.records if "fused 3 site(s)" in r.getMessage()]
     assert len(lines) == 1 and "0 all_reduce left unfused" in lines[0]
 
@@ -257,7 +218,7 @@ def test_identical_sites_are_classified_once(fake_pg, monkeypatch):
     real = classify.Classifier.classify
     monkeypatch.setattr(classify.Classifier, "classify", lambda self: calls.append(1) or real(self))
     layers = 6
-    fused, left, stats = compile_and_inspect(TinyDecoder(HIDDEN, layers), torch.randn(8, HIDDEN, dtype=torch.bfloat16))
+    fused, left, stats = compile_and_inspect(TinyDecoder(PATTERN_HIDDEN, layers), torch.randn(8, PATTERN_HIDDEN, dtype=torch.bfloat16))
     assert len(fused) == 2 * layers + 1 and left == 0
     # The embedding site, the residual sites, and the last one (nothing reads its sum later).
     assert len(calls) == 3

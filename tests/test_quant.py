@@ -15,7 +15,7 @@ from arfusion import quant as Q
 
 from .models import NormThenQuant, RowParallelThenNorm
 from .helpers import assert_close, compiled_vs_eager, run_workers
-from .test_patterns import compile_and_inspect
+from .sites import compile_and_inspect
 
 HIDDEN = 256
 

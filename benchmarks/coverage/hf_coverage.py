@@ -49,7 +49,6 @@ TOKENS = 8  # one batch row of this many tokens; --tokens 1 is the shape of a ba
 TOKENS_ENV = "HF_COVERAGE_TOKENS"  # how the driver tells its ranks
 PAIR_ENV = "HF_COVERAGE_PAIR"  # marks the processes of one torchrun pair
 
-
 # ============================================================================ worker (one rank)
 def _max_rel_err(a, b) -> float:
     a, b = a.float(), b.float()
