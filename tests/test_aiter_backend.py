@@ -721,9 +721,11 @@ def test_plain_decisions_agree_with_aiters_own(rocm_env, car_env, version, low, 
     comm = fake.instances[0]
     for nbytes in SIZES:
         ours = backend.plain_why_not(plain(nbytes)) is None
+        if not ours and (version != V_MAIN or nbytes > 64 * MIB):
+            continue  # nothing to compare: arfusion declines, aiter's answer may be either
         theirs = comm.custom_all_reduce(torch.zeros(nbytes // 2, dtype=BF16).view(-1, 8)) is not None
         assert not ours or theirs, (nbytes, "arfusion takes what aiter declines")
-        if version == V_MAIN and nbytes <= 64 * MIB:
+        if version == V_MAIN:
             assert ours == theirs, nbytes
     assert fake.violations == []
 

@@ -38,7 +38,7 @@ def run_tiny(out: Path, *args: str, fake_world: bool = False) -> dict:
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     return run_tiny(tmp_path_factory.mktemp("bench"), "--batches", "1", "4", "--prefill", "16", "--steps", "8",
-                    "--replays", "20")
+                    "--replays", "20", "--quantized", "fp8")
 
 
 @pytest.mark.multiproc
@@ -178,10 +178,10 @@ def test_plot(result, tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_prefill_with_the_quantized_all_reduce(tmp_path):
+def test_prefill_with_the_quantized_all_reduce(result):
     """--quantized fp8: a third prefill config; on CPU the torch backend emulates the quantized
     all-reduce at every size, so every site of the prefill runs it."""
-    ran = run_tiny(tmp_path, "--phases", "prefill", "--prefill", "16", "--quantized", "fp8", "--replays", "10")
+    ran = result
     prefill = ran["json"]["phases"]["prefill"]
     assert prefill["quantized"] == "fp8" and [r["tokens"] for r in prefill["rows"]] == [16]
     r, sites = prefill["rows"][0], 2 * LAYERS + 1
