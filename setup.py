@@ -20,7 +20,7 @@ setup(
         "hf": ["transformers>=5.0", "accelerate"],
         "flashinfer": ["flashinfer-python==0.7.2.post1"],
         "plot": ["matplotlib"],
-        "test": ["pytest>=8", "transformers>=5.0", "accelerate", "torchao>=0.18", "matplotlib"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "transformers>=5.0", "accelerate", "torchao>=0.18", "matplotlib"],
     },
     entry_points={"console_scripts": ["arfusion=arfusion.cli:main"]},
 )

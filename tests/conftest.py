@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,3 +43,17 @@ def fresh_compile_state(monkeypatch):
     with torch._inductor.config.patch(fx_graph_cache=False, post_grad_custom_post_pass=None):
         yield
     torch._dynamo.reset()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The CPU suite on two workers, each test file on one of them (its module fixtures run once),
+    when pytest-xdist is installed (the test extra) and no -n was given. The GPU checks keep one
+    process: they time and share the GPUs."""
+    if not config.pluginmanager.hasplugin("xdist") or config.option.numprocesses is not None \
+            or hasattr(config, "workerinput"):  # -n given, or this is a worker
+        return
+    if any("gpu" in Path(arg).parts for arg in config.args) or os.environ.get("ARFUSION_TEST_WORKERS") == "1":
+        return
+    config.option.numprocesses = int(os.environ.get("ARFUSION_TEST_WORKERS", "2"))
+    config.option.dist = "loadfile"

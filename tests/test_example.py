@@ -39,24 +39,16 @@ def run_example(model_type: str, *extra: str) -> dict:
 # (tests/test_hf_coverage.py, docs/coverage.md), not the example's.
 @pytest.mark.parametrize("model_type, sites", [
     ("llama", 2 * LAYERS + 1),
-    # Granite scales the all-reduced output before the residual add (by 0.22, as its checkpoints
-    # do; the example sets it): every site fuses, the op taking the factor.
-    ("granite", 2 * LAYERS + 1),
-    # Spellings the first matcher missed: OLMo2 multiplies its weight in fp32 and adds the
-    # residual after the norm (post-norm: no site after the embedding's all-reduce); MoE blocks
-    # all-reduce [T, H] and view it back to [B, S, H] before the residual add.
-    ("olmo2", 2 * LAYERS),
+    # MoE blocks all-reduce [T, H] and view it back to [B, S, H] before the residual add. (Granite's
+    # scaled sites and OLMo2's post-norm, fast-path embedding: tests/test_hf_coverage.py's rows.)
     ("qwen3_moe", 2 * LAYERS + 1),
 ])
 def test_example_fuses_every_site_and_matches_eager(model_type, sites):
     result = run_example(model_type)
     assert result["fused_sites"] == sites, result
-    # Every site fused in every forward, on the torch backend; OLMo2's embedding all-reduce (no site:
-    # post-norm) on the fast path, its one all-reduce left unfused.
-    left = 1 if model_type == "olmo2" else 0
-    assert result["unfused_sites"] == left, result
-    fast = {"torch all-reduce": CALLS} if left else {}
-    assert result["dispatch"] == {"torch": sites * CALLS, **fast}, result
+    # Every site fused in every forward, on the torch backend.
+    assert result["unfused_sites"] == 0, result
+    assert result["dispatch"] == {"torch": sites * CALLS}, result
     assert result["max_rel_diff"] < 2e-2  # bf16 noise: a few ulps of the largest logit
     # Tokens equal up to the first difference, and that one at a near tie (random weights make them).
     assert result["tokens_verdict"] in ("match", "near_tie"), result
@@ -70,3 +62,22 @@ def test_example_fuses_the_fp8_quant_after_each_norm():
                                     "allreduce_add_rmsnorm_fp8_dynamic": 2 * LAYERS - 1,
                                     "allreduce_add_rmsnorm": 1}, result
     assert result["max_rel_diff"] < 5e-2  # FP8 rounding of the activations, not bf16 noise
+
+
+def test_continuous_batching_example_fuses_every_site_with_the_same_tokens():
+    """examples/serve_continuous_batching.py: transformers' `generate_batch` without and with the
+    pass (tiny Llama, 2 layers, fp32 on CPU): every all-reduce fused, the same tokens."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           str(ROOT / "examples" / "serve_continuous_batching.py"), "--requests", "3", "--new-tokens", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Failed to load" not in done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    sites = 2 * LAYERS + 1  # tiny_config("llama"): 2 layers
+    assert result["fused_sites"] >= sites and result["fused_sites"] % sites == 0, result  # per compiled graph
+    assert result["why_not_codes"] == {} and result["same_tokens"] is True, result
+    assert set(result["dispatch"]) == {"torch"} and result["dispatch"]["torch"] > 0, result  # the second call's
+    assert result["tokens_per_s"]["off"] > 0 and result["tokens_per_s"]["on"] > 0
+    assert "tokens equal to the run without the pass: True" in done.stdout
