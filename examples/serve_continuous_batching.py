@@ -16,13 +16,11 @@ a JSON summary (used by the tests).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
 import shutil
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,29 +29,9 @@ import arfusion
 import arfusion.hf
 from arfusion.check import load_tp_model, save_random_model
 from arfusion.hf.configs import tiny_config
+from arfusion.testing import generate_batch  # model.generate_batch, both paths compiled: docs/usage.md
 
 logging.getLogger("torchao").setLevel(logging.ERROR)  # torchao's CUDA extensions on a CPU torch: not ours
-
-
-def serve(model, prompts, new_tokens: int, options: dict, cuda_graphs: bool) -> tuple[dict, float]:
-    """One `generate_batch` call as a server makes it: both paths compiled with `options`."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import CompileConfig, ContinuousBatchingConfig
-
-    compiled = CompileConfig(mode=None, options=options, fullgraph=False)  # Inductor's default mode
-    config = ContinuousBatchingConfig(varlen_compile_config=compiled, decode_compile_config=compiled,
-                                      use_cuda_graph=cuda_graphs, num_blocks=64, max_batch_tokens=256)
-    generation = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate_batch(prompts, generation_config=generation, continuous_batching_config=config,
-                                   progress_bar=False)
-    seconds = time.perf_counter() - start
-    gc.collect()  # the finished manager's graph pool, freed before the next one captures
-    failed = {k: o.error for k, o in out.items() if o.error}
-    if failed:
-        raise RuntimeError(f"generate_batch failed: {failed}")
-    return {k: list(o.generated_tokens) for k, o in out.items()}, seconds
 
 
 def main() -> None:
@@ -82,33 +60,26 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, vocab, (int(n),), generator=g).tolist()
                for n in torch.randint(4, 24, (args.requests,), generator=g)]
-    with_pass = arfusion.inductor_options(arfusion.PassConfig(backend="auto"))
     runs = {}
-    for name, options in (("without the pass", {}), ("with the pass", with_pass)):
-        before = arfusion.stats()
-        serve(model, prompts, args.new_tokens, options, args.cuda_graphs)  # compiles
-        timed = arfusion.stats()
-        tokens, seconds = serve(model, prompts, args.new_tokens, options, args.cuda_graphs)
-        after = arfusion.stats()
-        calls = {k: v - timed["dispatch"].get(k, 0) for k, v in after["dispatch"].items()
-                 if v != timed["dispatch"].get(k, 0)}
-        runs[name] = {"tokens": tokens, "seconds": seconds, "dispatch": calls,
-                      "fused_sites": after["fused_sites"] - before["fused_sites"],
-                      "tokens_per_s": sum(len(t) for t in tokens.values()) / seconds}
+    for name, config in (("without the pass", None), ("with the pass", arfusion.PassConfig(backend="auto"))):
+        first = generate_batch(model, prompts, args.new_tokens, config=config, cuda_graphs=args.cuda_graphs,
+                               max_batch_tokens=256)  # compiles
+        timed = generate_batch(model, prompts, args.new_tokens, config=config, cuda_graphs=args.cuda_graphs,
+                               max_batch_tokens=256)
+        runs[name] = {"tokens": timed.tokens, "report": first.report, "dispatch": timed.report.stats["dispatch"],
+                      "tokens_per_s": sum(len(t) for t in timed.tokens.values()) / timed.seconds}
     off, on = runs["without the pass"], runs["with the pass"]
-    stats = arfusion.stats()
+    report = on["report"]
     summary = {"model_type": args.model_type, "world": dist.get_world_size(), "dtype": str(dtype),
                "requests": args.requests, "new_tokens": args.new_tokens, "cuda_graphs": args.cuda_graphs,
-               "fused_sites": on["fused_sites"], "merged": stats["summed_all_reduces_merged"],
-               "why_not_codes": stats["why_not_codes"], "dispatch": on["dispatch"],
+               "all_reduces": report.all_reduces, "fused_sites": report.fused, "merged": report.merged,
+               "why_not_codes": dict(report.codes), "verdict": report.verdict, "dispatch": on["dispatch"],
                "same_tokens": on["tokens"] == off["tokens"],
                "tokens_per_s": {"off": round(off["tokens_per_s"], 1), "on": round(on["tokens_per_s"], 1)}}
     if dist.get_rank() == 0:
         print(f"{args.model_type}, TP={summary['world']}, {args.requests} requests x {args.new_tokens} new tokens")
-        print(f"sites fused, over every graph compiled: {summary['fused_sites']} "
-              f"(all-reduces merged into another: {summary['merged']}); "
-              f"not fused: {summary['why_not_codes'] or 'none'}")
-        print(f"calls of the second run with the pass: {summary['dispatch']}")
+        print(f"all-reduces of every graph compiled: {report.verdict}")
+        print(f"fused-op calls of the timed call: {summary['dispatch']}")
         print(f"tokens equal to the run without the pass: {summary['same_tokens']}")
         print(f"output tokens/s (second call; host and {'GPU' if cuda else 'CPU'}): "
               f"without {summary['tokens_per_s']['off']}, with {summary['tokens_per_s']['on']}")

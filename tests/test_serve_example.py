@@ -28,7 +28,8 @@ def test_continuous_batching_example_fuses_every_site_with_the_same_tokens():
     assert "Failed to load" not in done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     sites = 2 * LAYERS + 1  # tiny_config("llama"): 2 layers
-    assert result["fused_sites"] >= sites and result["fused_sites"] % sites == 0, result  # per compiled graph
+    # Every all-reduce of every graph compiled fused (transformers may compile the forward more than once).
+    assert result["fused_sites"] == result["all_reduces"] >= sites and result["fused_sites"] % sites == 0, result
     assert result["why_not_codes"] == {} and result["same_tokens"] is True, result
     assert set(result["dispatch"]) == {"torch"} and result["dispatch"]["torch"] > 0, result  # the second call's
     assert result["tokens_per_s"]["off"] > 0 and result["tokens_per_s"]["on"] > 0
