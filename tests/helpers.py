@@ -5,10 +5,15 @@ Test modules import from here, never from one another.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import queue
 import socket
 import sys
+import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -23,14 +28,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_workers(fn, world: int, *args) -> None:
-    mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
+def run_workers(fn, world: int, *args, fresh: bool = False) -> None:
+    """fn(rank, *args) on `world` gloo ranks. Worlds of 2 are kept for the next test of this
+    pytest process (a world's start, imports and first compile cost about 14 s of CPU); `fresh`
+    (or ARFUSION_TEST_FRESH_RANKS=1) spawns new processes, for a test that leaves them changed."""
+    if world == 2 and not fresh and os.environ.get(FRESH_ENV) != "1":
+        _kept_world(world).run(fn, args)
+    else:
+        mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
 
 
-def collect_from_ranks(fn, world: int, tmp_dir) -> list[dict]:
-    """fn(rank) -> a JSON-able dict, run on `world` gloo ranks in one spawn; the dicts by rank."""
+def collect_from_ranks(fn, world: int, tmp_dir, fresh: bool = False) -> list[dict]:
+    """fn(rank) -> a JSON-able dict, run on `world` gloo ranks (run_workers); the dicts by rank."""
     path = str(tmp_dir / "out")
-    run_workers(_write_result, world, fn, path)
+    run_workers(_write_result, world, fn, path, fresh=fresh)
     return [json.load(open(f"{path}.{rank}")) for rank in range(world)]
 
 
@@ -54,6 +65,96 @@ def _worker(rank, world, port, fn, args):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+FRESH_ENV = "ARFUSION_TEST_FRESH_RANKS"
+_KEPT: dict[int, "_KeptWorld"] = {}
+
+
+def _kept_world(world: int) -> "_KeptWorld":
+    if world not in _KEPT or not _KEPT[world].alive():
+        _KEPT[world] = _KeptWorld(world)
+    return _KEPT[world]
+
+
+class _KeptWorld:
+    """`world` gloo ranks in processes that run one job after another. Each job starts with
+    Dynamo's caches and arfusion's stats reset and ends with the environment and Inductor's pass
+    slot as they were. A job that fails, hangs or kills a rank ends the world (its ranks are
+    killed, as mp.spawn does); the next job starts a new one."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.jobs = [ctx.SimpleQueue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = free_port()
+        self.procs = [ctx.Process(target=_serve, args=(rank, world, port, self.jobs[rank], self.results))
+                      for rank in range(world)]
+        for proc in self.procs:
+            proc.start()
+        atexit.register(self.close)
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def run(self, fn, args, timeout: float = 900) -> None:
+        for jobs in self.jobs:
+            jobs.put((fn, args))
+        deadline, waiting = time.monotonic() + timeout, set(range(len(self.procs)))
+        while waiting:
+            try:
+                rank, error = self.results.get(timeout=2)
+            except queue.Empty:
+                dead = {r: p.exitcode for r, p in enumerate(self.procs) if not p.is_alive()}
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"gloo ranks: {'exit codes ' + str(dead) if dead else 'timed out'} "
+                                       f"while running {getattr(fn, '__name__', fn)}")
+                continue
+            waiting.discard(rank)
+            if error is not None:
+                self.close()
+                raise RuntimeError(f"rank {rank} failed in {getattr(fn, '__name__', fn)}:\n{error}")
+
+    def close(self) -> None:
+        for jobs, proc in zip(self.jobs, self.procs):
+            if proc.is_alive():
+                with contextlib.suppress(Exception):
+                    jobs.put(None)
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _serve(rank, world, port, jobs, results):
+    import arfusion
+    from torch._inductor import config as inductor_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    while (job := jobs.get()) is not None:
+        fn, args = job
+        env, slot = dict(os.environ), inductor_config.post_grad_custom_post_pass
+        error = None
+        try:
+            torch._dynamo.reset()
+            arfusion.reset_stats()
+            fn(rank, *args)
+            dist.barrier()  # both ranks done before either takes the next job
+        except BaseException:
+            error = traceback.format_exc()
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            inductor_config.post_grad_custom_post_pass = slot
+        results.put((rank, error))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as _worker
 
 
 def assert_close(actual, expected, dtype, what):

@@ -347,3 +347,47 @@ def test_rows_from_decisions_number_the_graphs_and_keep_the_codes():
                            Row(2, "all_reduce_1", Fate.MERGED, "merged", "into")]
     assert report.left_codes == {"no_norm": 1}
     assert report.verdict == "1 of 3 all-reduces fused, 1 merged into another, 1 left: why"
+
+
+def test_without_kernels_the_same_decisions_and_output_as_a_full_compile(world_of_one, monkeypatch):
+    """arfusion.graph_only: Inductor up to its post-grad passes, then the rewritten graph run op by
+    op. On a real group (a world of one: the all-reduce computes) its decisions and its output are
+    those of Inductor's whole compile; where torch lacks the internals it uses, a full compile."""
+    from arfusion import graph_only
+    from arfusion.testing import compile_and_run
+
+    torch.manual_seed(0)
+    block = _Block().to(torch.bfloat16)
+    x, r = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")
+    built = []
+    monkeypatch.setattr(graph_only, "backend", lambda options, make=graph_only.backend: built.append(1) or make(options))
+    with torch.no_grad():
+        full = compile_and_run(block, (x, r), config=config)
+        assert not built
+        unlowered = compile_and_run(block, (x, r), config=config, kernels=False)
+    assert built == [1]
+    assert unlowered.rows == full.rows, (unlowered, full)
+    assert [(row.fate, row.code) for row in full.rows] == [(Fate.FUSED, None), (Fate.FAST_PATH, Why.GRAPH_OUTPUT.value)]
+    assert unlowered.stats["dispatch"] == full.stats["dispatch"] == {"torch": 1, "torch all-reduce": 1}, full.stats
+    for a, b in zip(unlowered.output, full.output):
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2)  # Inductor's kernels vs aten's: bf16 rounding
+    monkeypatch.setattr(graph_only, "_steps", lambda: None)  # a torch without the internals
+    assert graph_only.backend({}) is None
+    with torch.no_grad():
+        fallback = compile_and_run(block, (x, r), config=config, kernels=False)
+    assert fallback.rows == full.rows
+
+
+def test_fusion_report_builds_no_kernels_under_a_fake_group(monkeypatch):
+    """Nothing computes under the fake process group: fusion_report stops Inductor after its
+    post-grad passes (arfusion.graph_only). Inductor never lowers a graph."""
+    from torch._inductor.graph import GraphLowering
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Inductor lowered a graph under a fake process group")
+
+    monkeypatch.setattr(GraphLowering, "__init__", refuse)
+    x, r = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    report = fusion_report(_Block().to(torch.bfloat16), (x, r))
+    assert report.fused == 1 and report.stats["dispatch"] == {"torch": 1, "torch all-reduce": 1}, report

@@ -134,7 +134,7 @@ def test_prepare_is_idempotent_and_says_what_it_found(prepared):
 def _two_ranks(rank):
     torch.manual_seed(0)
     results = {}
-    for model_type in ("llama", "aria_text"):
+    for model_type in ("aria_text",):  # Llama at TP=2 on two gloo ranks: tests/test_serve_example.py
         with tempfile.TemporaryDirectory() as path:
             # Rank 0 writes, both load: the ranks agree on the weights.
             if rank == 0:
@@ -155,11 +155,12 @@ def _two_ranks(rank):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_two_gloo_ranks_fuse_every_site_with_the_eager_tokens(tmp_path):
-    """TP=2 on two gloo ranks (real all-reduces): dense and merged-MoE models."""
+    """TP=2 on two gloo ranks (real all-reduces), a model whose MoE all-reduces merge: every
+    all-reduce fused or merged, the eager tokens on both ranks. (A dense Llama the same way, against
+    the run without the pass: the serving example's test, tests/test_serve_example.py.)"""
     ranks = collect_from_ranks(_two_ranks, 2, tmp_path)
     for rank, results in enumerate(ranks):
-        assert results["llama"]["same"] and results["llama"]["fused"] == results["llama"]["all_reduces"] == 5, results
         aria = results["aria_text"]
         assert aria["same"] and aria["fused"] + aria["merged"] == aria["all_reduces"] == 7 and aria["merged"] == 2, aria
         assert set(aria["dispatch"]) == {"torch"}, aria
-    assert ranks[0]["llama"]["tokens"] == ranks[1]["llama"]["tokens"]
+    assert ranks[0]["aria_text"]["tokens"] == ranks[1]["aria_text"]["tokens"]

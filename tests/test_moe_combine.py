@@ -558,4 +558,4 @@ def _flashinfer_worker(rank):
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_flashinfer_moe_finalize_arguments_and_fallback():
-    run_workers(_flashinfer_worker, 2)
+    run_workers(_flashinfer_worker, 2, fresh=True)  # it puts stand-ins for flashinfer into sys.modules
