@@ -19,21 +19,23 @@ from typing import Callable
 
 import torch
 
+try:  # Inductor's own functions for the steps up to and including its post-grad passes
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor import compile_fx as _inductor
+    from torch._inductor.virtualized import V
+    from torch.utils._python_dispatch import _disable_current_modes
+except ImportError:
+    _inductor = None
+
+_STEPS = ("compile_fx", "view_to_reshape", "fake_tensor_prop", "_recursive_post_grad_passes")
+
 
 def _steps():
-    """Inductor's own functions for the steps before and including its post-grad passes, or
-    None where this torch has not got them all."""
-    try:
-        from torch._functorch.aot_autograd import make_boxed_func
-        from torch._inductor import compile_fx
-        from torch._inductor.virtualized import V
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        steps = (compile_fx.compile_fx, compile_fx.view_to_reshape, compile_fx.fake_tensor_prop,
-                 compile_fx._recursive_post_grad_passes)
-    except (ImportError, AttributeError):
+    """Inductor's functions for the steps before and including its post-grad passes, or None
+    where this torch has not got them all."""
+    if _inductor is None or not all(hasattr(_inductor, name) for name in _STEPS):
         return None
-    return (*steps, V, _disable_current_modes, make_boxed_func)
+    return tuple(getattr(_inductor, name) for name in _STEPS)
 
 
 def backend(options: dict) -> Callable | None:
@@ -43,18 +45,18 @@ def backend(options: dict) -> Callable | None:
     steps = _steps()
     if steps is None:
         return None
-    compile_fx, view_to_reshape, fake_tensor_prop, post_grad_passes, V, disable_modes, boxed = steps
+    compile_fx, view_to_reshape, fake_tensor_prop, post_grad_passes = steps
 
     def inner_compile(gm: torch.fx.GraphModule, example_inputs, *, is_inference: bool = False, **_):
         # As Inductor's compile_fx_inner does before lowering: outside the tracing's fake mode,
         # views as reshapes, fresh fake values on every node, then the post-grad passes.
-        with disable_modes():
+        with _disable_current_modes():
             view_to_reshape(gm)
             with torch.no_grad():
                 fake_mode = fake_tensor_prop(gm, example_inputs)
             with V.set_fake_mode(fake_mode):
                 post_grad_passes(gm, is_inference=is_inference)
             gm.recompile()
-        return boxed(gm.forward)
+        return make_boxed_func(gm.forward)
 
     return functools.partial(compile_fx, inner_compile=inner_compile, config_patches=dict(options))

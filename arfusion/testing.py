@@ -310,15 +310,13 @@ def compile_and_run(fn: Callable, args: tuple = (), kwargs: dict | None = None, 
                     config: PassConfig | None = None, title: str = "", kernels: bool = True) -> FusionReport:
     """Compiles `fn` (static shapes, no FX-graph or AOT cache: every graph meets the pass) with
     the pass under `config` (None: no pass at all, plain Inductor), calls it once and reports.
-    `kernels=False` stops Inductor after its post-grad passes and runs the rewritten graph
-    unlowered (`arfusion.graph_only`): the same decisions, no kernels built.
-    Inductor's global config is left as it was; stats are read as what this compile added."""
+    `kernels=False`: no kernels built (`arfusion.graph_only`). Inductor's global config is left
+    as it was; stats are read as what this compile added."""
     before, seen = pass_stats(), {d["graph"] for d in pass_decisions()}
     options = inductor_options(config) if config is not None else {}
-    fresh = _fresh(lambda *a, **k: fn(*a, **k))
     unlowered = None if kernels else graph_only.backend(options)
-    compiled = (torch.compile(fresh, dynamic=False, backend=unlowered) if unlowered is not None
-                else torch.compile(fresh, dynamic=False, options=options))
+    compiled = torch.compile(_fresh(lambda *a, **k: fn(*a, **k)), dynamic=False,
+                             **({"backend": unlowered} if unlowered else {"options": options}))
     with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), \
             _arfusion_log() as lines:
         output = compiled(*args, **(kwargs or {}))
@@ -337,19 +335,14 @@ def fusion_report(module: Callable, example_inputs: Any = (), world_size: int = 
     `config` defaults to `PassConfig(enable_allreduce_fusion=True, backend="torch")`. Runs
     under `torch.no_grad()` unless `grad`. Leaves Inductor's config, Dynamo's caches of your
     other compiles and arfusion's stats as they were (the stats gain this compile's counts).
-
-    Under torch's fake process group nothing computes, so Inductor stops after its post-grad
-    passes, where the pass decides, and the rewritten graph runs unlowered (`arfusion.graph_only`):
-    the same report without building kernels. Under a real group the compile is Inductor's whole
-    one and `output` is what its kernels computed."""
+    Under the fake process group nothing computes, so no kernels are built (`arfusion.graph_only`)."""
     config = config or PassConfig(enable_allreduce_fusion=True, backend="torch")
     if isinstance(example_inputs, dict):
         args, kwargs = (), example_inputs
     else:
         args, kwargs = (example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)), {}
     with fake_world(world_size), torch.set_grad_enabled(grad):
-        fake = dist.get_backend() == "fake"
-        return compile_and_run(module, args, kwargs, config=config, kernels=not fake)
+        return compile_and_run(module, args, kwargs, config=config, kernels=dist.get_backend() != "fake")
 
 
 # ----------------------------------------------------------------------------- continuous batching
