@@ -391,3 +391,27 @@ def test_fusion_report_builds_no_kernels_under_a_fake_group(monkeypatch):
     x, r = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
     report = fusion_report(_Block().to(torch.bfloat16), (x, r))
     assert report.fused == 1 and report.stats["dispatch"] == {"torch": 1, "torch all-reduce": 1}, report
+
+
+def test_check_loads_as_rank_zero_of_torchrun(monkeypatch):
+    """On a CUDA machine transformers picks the GPU of a tensor-parallel load from LOCAL_RANK
+    (a KeyError where it is unset): `arfusion check` sets RANK, LOCAL_RANK and WORLD_SIZE as
+    torchrun does for rank 0 while it loads, and leaves the environment as it was."""
+    import os
+
+    from arfusion import check as check_module
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    seen = {}
+
+    def load(config, tp):
+        seen.update({key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")})
+        raise CheckError("stop here")
+
+    monkeypatch.setattr(check_module, "load_tp_model", load)
+    with pytest.raises(CheckError, match="stop here"):
+        check_module.check("llama", tp=4, show_progress=False)
+    assert seen == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}
+    assert not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} & set(os.environ)
