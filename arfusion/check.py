@@ -292,19 +292,6 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
 
 
-@contextlib.contextmanager
-def _rank_zero_env(tp: int) -> Iterator[None]:
-    """RANK, LOCAL_RANK and WORLD_SIZE as torchrun sets them for rank 0, where they are unset:
-    transformers reads LOCAL_RANK to pick the GPU of a tensor-parallel load on a CUDA machine."""
-    added = {k: v for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", str(tp))) if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
-
-
 def _tokens_word(n: int) -> str:
     return f"{n} token" + "s" * (n != 1)
 
@@ -323,7 +310,7 @@ def check(spec: str, tp: int = 2, tokens=TOKENS, quant: str | None = None,
     reports = []
     try:
         # Dynamo's and Inductor's warnings about transformers' code are not the user's to act on.
-        with fake_world(tp), _rank_zero_env(tp), warnings.catch_warnings():
+        with fake_world(tp), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
                 model = load_tp_model(config, tp)

@@ -23,11 +23,13 @@ import functools
 import gc
 import logging
 import math
+import os
 import time
 import types
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -85,13 +87,8 @@ def describe_rewrites(rewrites: dict[str, int]) -> str:
 
 def not_fused_reasons(lines: list[str]) -> dict[str, int]:
     """The `arfusion` logger's "... not fused: <reason>" lines, counted by reason."""
-    reasons = Counter()
-    for line in lines:
-        if "not fused" not in line:
-            continue
-        reason = line.split("not fused", 1)[1].lstrip(" :;-")
-        reasons[reason.strip() or line] += 1
-    return dict(reasons)
+    return dict(Counter(line.split("not fused", 1)[1].lstrip(" :;-").strip() or line
+                        for line in lines if "not fused" in line))
 
 
 def _fmt_counts(counts: Counter) -> str:
@@ -236,14 +233,17 @@ def assert_fused(report: FusionReport, *, all_reduces: int | None = None, fused:
 def fake_world(world_size: int = 2) -> Iterator[int]:
     """A process group of `world_size` ranks in this one process (torch's fake backend:
     collectives return at once and compute nothing; graphs are real), destroyed on exit, with
-    `fake_gloo_groups` meanwhile. Where a process group exists already, that one is used and left
-    alone. Yields the world size."""
+    `fake_gloo_groups` meanwhile, and torchrun's RANK, LOCAL_RANK and WORLD_SIZE for rank 0 where
+    unset (transformers picks a TP load's GPU by LOCAL_RANK). Where a process group exists already,
+    that one is used and left alone. Yields the world size."""
     if dist.is_initialized():
         yield dist.get_world_size()
         return
+    rank_zero = {k: os.environ.get(k, v) for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"),
+                                                      ("WORLD_SIZE", str(world_size)))}
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with fake_gloo_groups():
+        with fake_gloo_groups(), mock.patch.dict(os.environ, rank_zero):
             yield world_size
     finally:
         dist.destroy_process_group()

@@ -57,6 +57,7 @@ def pytest_cmdline_main(config):
         return
     config.option.numprocesses = int(os.environ.get("ARFUSION_TEST_WORKERS", "2"))
     config.option.dist = "loadfile"
+    config.option.loadscopereorder = False  # xdist would order files by test count: keep ours (below)
 
 
 def pytest_collection_modifyitems(config, items):

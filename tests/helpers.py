@@ -51,20 +51,30 @@ def _write_result(rank, fn, path):
         json.dump(result, f)
 
 
-def _worker(rank, world, port, fn, args):
+def _join(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, *args)
-    finally:
-        dist.destroy_process_group()
+
+
+def _leave():
+    dist.destroy_process_group()
     # Done and torn down: leave without the interpreter's own teardown, where gloo's threads
     # sometimes abort the process ("terminate called without an active exception", SIGABRT after
     # a passing test; pytorch/pytorch#179291, as in tests/gpu/soak.py).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _worker(rank, world, port, fn, args):
+    _join(rank, world, port)
+    try:
+        fn(rank, *args)
+    except BaseException:
+        dist.destroy_process_group()
+        raise  # mp.spawn reports it
+    _leave()
 
 
 FRESH_ENV = "ARFUSION_TEST_FRESH_RANKS"
@@ -132,9 +142,7 @@ def _serve(rank, world, port, jobs, results):
     import arfusion
     from torch._inductor import config as inductor_config
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _join(rank, world, port)
     while (job := jobs.get()) is not None:
         fn, args = job
         env, slot = dict(os.environ), inductor_config.post_grad_custom_post_pass
@@ -151,10 +159,7 @@ def _serve(rank, world, port, jobs, results):
             os.environ.update(env)
             inductor_config.post_grad_custom_post_pass = slot
         results.put((rank, error))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as _worker
+    _leave()
 
 
 def assert_close(actual, expected, dtype, what):

@@ -395,8 +395,8 @@ def test_fusion_report_builds_no_kernels_under_a_fake_group(monkeypatch):
 
 def test_check_loads_as_rank_zero_of_torchrun(monkeypatch):
     """On a CUDA machine transformers picks the GPU of a tensor-parallel load from LOCAL_RANK
-    (a KeyError where it is unset): `arfusion check` sets RANK, LOCAL_RANK and WORLD_SIZE as
-    torchrun does for rank 0 while it loads, and leaves the environment as it was."""
+    (a KeyError where it is unset): `arfusion check` loads under `fake_world`, which sets RANK,
+    LOCAL_RANK and WORLD_SIZE as torchrun does for rank 0, and leaves the environment as it was."""
     import os
 
     from arfusion import check as check_module
