@@ -5,12 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Inductor builds kernels in one thread (as the coverage sweeps do): with its default on 2 cores,
-# every compiling process (each gloo rank, torchrun rank and worker) starts a pool of compile
-# workers, each importing torch, while the suite already keeps both cores busy. Set before torch's
-# import, which reads it; spawned ranks and subprocesses inherit it.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
 import pytest
 import torch
 import torch.distributed as dist
