@@ -38,10 +38,10 @@ def run_workers(fn, world: int, *args, fresh: bool = False) -> None:
         mp.spawn(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True)
 
 
-def collect_from_ranks(fn, world: int, tmp_dir, fresh: bool = False) -> list[dict]:
+def collect_from_ranks(fn, world: int, tmp_dir) -> list[dict]:
     """fn(rank) -> a JSON-able dict, run on `world` gloo ranks (run_workers); the dicts by rank."""
     path = str(tmp_dir / "out")
-    run_workers(_write_result, world, fn, path, fresh=fresh)
+    run_workers(_write_result, world, fn, path)
     return [json.load(open(f"{path}.{rank}")) for rank in range(world)]
 
 
