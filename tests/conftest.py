@@ -5,12 +5,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
-import torch.distributed as dist
+# Inductor's C++ kernels, cheaper to build in the suite (set before torch reads its config;
+# spawned ranks and subprocesses inherit them). Neither changes what a kernel computes:
+# - no line tables (-g1): about a fifth of each kernel's g++ time;
+# - the vector ISA taken from the CPU's flags, not probed by building and loading a test library
+#   (a g++ build per Inductor cache directory and a child process per compiling process).
+os.environ.setdefault("AOT_INDUCTOR_ENABLE_LINE_TABLES", "0")
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+# One thread per process, as the gloo ranks and torchrun's processes have: two pytest workers share
+# two cores, and Inductor then generates (and caches) the same kernels in every process.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import arfusion
-from arfusion.config import STRICT_ENV
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import arfusion  # noqa: E402
+from arfusion.config import STRICT_ENV  # noqa: E402
 
 # An error inside the pass fails the compile in our tests (users get an unfused graph and a
 # WARNING instead, tests/test_pass_safety.py); spawned ranks inherit it.

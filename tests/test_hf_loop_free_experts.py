@@ -76,16 +76,19 @@ def test_no_tokens_gives_zeros():
 
 
 @pytest.mark.slow
-def test_the_model_compiles_whole_and_matches_eager():
+def test_the_model_traces_whole_and_matches_eager():
+    """One graph (Dynamo) that AOT autograd traces and runs as eager does. Inductor's kernels for
+    it, at TP=2 with and without the pass, are the HF coverage sweep's LongCat-Flash row
+    (tests/test_hf_coverage.py: one graph, logits within 2e-2 of eager)."""
     model, config = _longcat()
     ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits.float()
         with pytest.raises(Exception, match="nonzero|data-dependent|Dynamic shape|item"):
-            torch.compile(model, fullgraph=True)(input_ids=ids, use_cache=False)  # the loop breaks the graph
+            torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, use_cache=False)  # the loop
         torch._dynamo.reset()
         assert hf.prepare_for_compile(model)["experts_made_loop_free"] == config.num_layers
-        got = torch.compile(model, fullgraph=True)(input_ids=ids, use_cache=False).logits.float()
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids, use_cache=False).logits.float()
     assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
 
 

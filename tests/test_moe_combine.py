@@ -365,10 +365,13 @@ def _hf_model(rank, model_type):
 MOE_CONFIG = {"deepseek_v3": dict(first_k_dense_replace=0, n_routed_experts=16, n_group=1, topk_group=1,
                                   n_shared_experts=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
                                   qk_nope_head_dim=16, v_head_dim=16, head_dim=16, num_key_value_heads=4)}
-EXPECTED = {"qwen3_moe": (5, 0), "deepseek_v3": (3, 2)}  # (fused sites, all-reduces merged); MLA is not TP'd
+EXPECTED = {"deepseek_v3": (3, 2)}  # (fused sites, all-reduces merged); MLA is not TP'd
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+# Qwen3-MoE (every site fused, each layer's combine in its op, logits as eager's) is the HF
+# coverage sweep's row, loaded the same way on two gloo ranks (tests/test_hf_coverage.py); DeepSeek-V3
+# here has every layer MoE and its shared expert's all-reduce merged, which the sweep's row has once.
+@pytest.mark.parametrize("model_type", ["deepseek_v3"])
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_real_hf_moe_model_fuses_every_site_and_its_combines(model_type):
