@@ -369,8 +369,8 @@ EXPECTED = {"deepseek_v3": (3, 2)}  # (fused sites, all-reduces merged); MLA is 
 
 
 # Qwen3-MoE (every site fused, each layer's combine in its op, logits as eager's) is the HF
-# coverage sweep's row, loaded the same way on two gloo ranks (tests/test_hf_coverage.py); DeepSeek-V3
-# here has every layer MoE and its shared expert's all-reduce merged, which the sweep's row has once.
+# coverage sweep's row, a tiny config loaded with its TP plan on two gloo ranks (tests/test_hf_coverage.py);
+# DeepSeek-V3 here has every layer MoE and its shared expert's all-reduce merged (the sweep's row: once).
 @pytest.mark.parametrize("model_type", ["deepseek_v3"])
 @pytest.mark.multiproc
 @pytest.mark.slow
