@@ -107,8 +107,7 @@ def judge_tokens(tokens: list[int], ref: list[int], ref_logits: list[tuple[float
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-type", default="llama",
-                   help="an HF model type with a TP plan (docs/coverage.md lists them all); the tests run llama, "
-                        "qwen3, qwen2, granite, olmo2, mixtral, qwen3_moe")
+                   help="an HF model type with a TP plan (docs/coverage.md lists them all and what each fuses)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
