@@ -12,7 +12,6 @@ per token (by difference of two lengths) and the fixed cost per call apart.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,8 +29,7 @@ def run_tiny(out: Path, *args: str, fake_world: bool = False) -> dict:
               [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"])
     cmd = [*launch, str(BENCH), "--tiny", "--layers", str(LAYERS), *(("--fake-world", "2") if fake_world else ()),
            *args, "--strict", "--out", str(out), "--ckpt-dir", str(out), "--cache-root", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     path = out / ("decode_llama_w2_fake2.json" if fake_world else "decode_llama_w2.json")
     return {"json": json.loads(path.read_text()), "path": path, "stdout": done.stdout}

@@ -24,7 +24,7 @@ def run_example(model_type: str, *extra: str) -> dict:
            "--standalone", str(EXAMPLE), "--model-type", model_type,
            "--layers", str(LAYERS), "--steps", str(STEPS), *extra]
     # This checkout's arfusion, also where another one is installed (the script's folder is examples/).
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

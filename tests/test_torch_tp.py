@@ -9,7 +9,6 @@ import argparse
 import importlib.util
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,8 +92,7 @@ def test_example_script_via_torchrun(experts):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            str(EXAMPLE), "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--backend", "torch",
            "--experts", str(experts)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     sites = 2 * LAYERS + 1
