@@ -319,7 +319,7 @@ def test_fused_combine_matches_eager_and_the_pass_without_it(dynamic):
 # ------------------------------------------------------------------ a real HF MoE model
 
 
-def _hf_model(rank, model_type):
+def _deepseek_v3(rank):
     import importlib.util
     from pathlib import Path
 
@@ -335,10 +335,10 @@ def _hf_model(rank, model_type):
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")  # HF's TP reads these
     hf_logging.set_verbosity_error()
-    config = example.tiny_config(model_type, 2, 256, 2)
+    config = example.tiny_config("deepseek_v3", 2, 256, 2)
     config.num_experts, config.moe_intermediate_size, config.num_experts_per_tok = 16, 128, 4  # smaller, faster
     # DeepSeek: every layer MoE (no dense prefix), one expert group, its small MLA shapes.
-    config.update(MOE_CONFIG.get(model_type, {}))
+    config.update(DEEPSEEK_V3)
     path = example.save_random_model(config, torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **tp_kwargs("auto")).eval()
     torch.manual_seed(1)
@@ -350,32 +350,29 @@ def _hf_model(rank, model_type):
         got = torch.compile(model)(input_ids=ids, use_cache=False).logits.float()
     arfusion.disable()
     stats = arfusion.stats()
-    # Every site fuses (embedding's + one per row-parallel block), each layer's MoE block takes its
-    # combine in, and DeepSeek's separately all-reduced shared expert is merged into it.
-    sites, merged = EXPECTED[model_type]
-    assert stats["fused_sites"] == sites and stats["unfused_sites"] == 0, stats
-    assert stats["moe_combines_fused"] == 2 and stats["summed_all_reduces_merged"] == merged, stats
+    # Every site fuses (the embedding's + one per MoE block; MLA is not TP'd), each layer's MoE block
+    # takes its combine in, and its separately all-reduced shared expert is merged into it.
+    assert stats["fused_sites"] == 3 and stats["unfused_sites"] == 0, stats
+    assert stats["moe_combines_fused"] == 2 and stats["summed_all_reduces_merged"] == 2, stats
     rel = ((got - ref).abs().max() / ref.abs().max()).item()
     assert rel < 2e-2, rel
     if rank == 0:
-        print(f"{model_type}: {stats['by_pattern']}, moe_combines_fused {stats['moe_combines_fused']}, "
+        print(f"deepseek_v3: {stats['by_pattern']}, moe_combines_fused {stats['moe_combines_fused']}, "
               f"logits rel diff {rel:.2e}")
 
 
-MOE_CONFIG = {"deepseek_v3": dict(first_k_dense_replace=0, n_routed_experts=16, n_group=1, topk_group=1,
-                                  n_shared_experts=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
-                                  qk_nope_head_dim=16, v_head_dim=16, head_dim=16, num_key_value_heads=4)}
-EXPECTED = {"deepseek_v3": (3, 2)}  # (fused sites, all-reduces merged); MLA is not TP'd
+DEEPSEEK_V3 = dict(first_k_dense_replace=0, n_routed_experts=16, n_group=1, topk_group=1, n_shared_experts=1,
+                   q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                   head_dim=16, num_key_value_heads=4)
 
 
 # Qwen3-MoE (every site fused, each layer's combine in its op, logits as eager's) is the HF
 # coverage sweep's row, a tiny config loaded with its TP plan on two gloo ranks (tests/test_hf_coverage.py);
 # DeepSeek-V3 here has every layer MoE and its shared expert's all-reduce merged (the sweep's row: once).
-@pytest.mark.parametrize("model_type", ["deepseek_v3"])
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_real_hf_moe_model_fuses_every_site_and_its_combines(model_type):
-    run_workers(_hf_model, 2, model_type)
+def test_real_hf_moe_model_fuses_every_site_and_its_combines():
+    run_workers(_deepseek_v3, 2)
 
 
 # ------------------------------------------------------------------ FlashInfer path (stand-in, CPU)
