@@ -18,7 +18,9 @@ keeps what it measured):
             same cache after torch._dynamo.reset()), arfusion's config first; the pass's own time
             from arfusion.stats()
   decode    the headline: the whole compiled decode step captured in one CUDA graph and replayed,
-            median ms per step over --replays replays (CUDA events), batch 1, 8, 32; tokens/s
+            median ms per step over --replays replays (CUDA events), batch 1, 8, 32; tokens/s; with
+            --floor also "floor", the step with every all-reduce dropped (its lower bound), and the
+            share of the all-reduces' time (off - floor) that the pass removes
   accuracy  teacher forcing: the same prompt and the same --steps tokens fed to eager, off and on
             (and to the same weights run in fp32, the reference all three are measured against);
             per step the logits' relative L2 error against eager and between on and off, and
@@ -33,11 +35,14 @@ keeps what it measured):
             by kind (NCCL, fused all-reduce, Triton, GEMM, attention, other)
   loop      what users run, 1: a greedy loop (eager prefill, then the step compiled with
             mode="reduce-overhead", cudagraph trees) making n new tokens per call
-  generate  what users run, 2: HF generate() with a static cache and its own compile
-            loop and generate are timed as whole calls at two lengths (--lengths 144 16, the
-            longest first): steady-state ms per token by difference, the fixed per-call cost
-            (prefill, cache set-up) apart, the first call (compile, CUDA-graph recording), and
-            on GPU per token: GPU busy time, kernels, CUDA-graph and kernel launches (decode_host.py)
+  generate  what users run, 2: HF generate() with a static cache and its own compile, greedy and
+            sampling at batch 1 and 8 (--gen-variants)
+            loop and generate time off and on in interleaved pairs (--pairs, the config going first
+            alternating), each config's calls at two lengths (--lengths 144 16): steady-state ms
+            per token by difference, the fixed per-call cost (prefill, cache set-up) apart, each
+            pair's on/off ratio with the median and spread; pairs in which a call compiled or
+            re-recorded a CUDA graph are excluded and counted; on GPU per token: GPU busy time,
+            kernels, CUDA-graph and kernel launches (decode_host.py)
 
 On CPU (gloo) CUDA graphs, the profiler's kernels and reduce-overhead do not exist: decode and
 prefill are timed as plain compiled calls, and loop and generate use the default compile mode.
@@ -75,7 +80,7 @@ from arfusion.backends import get_backend  # noqa: E402
 from arfusion.decisions import Reason  # noqa: E402
 from arfusion.config import QUANTIZED_LEVELS  # noqa: E402
 from common import no_multicast  # noqa: E402
-from decode_host import phase_generate, phase_loop  # noqa: E402
+from decode_host import parse_variant, phase_generate, phase_loop  # noqa: E402
 from decode_model import CONFIGS, PRESETS, Bench, one_rank_shape  # noqa: E402,F401  (one_rank_shape: tests)
 from decode_phases import phase_accuracy, phase_decode, phase_kernels, phase_prefill, phase_startup  # noqa: E402
 from decode_report import format_table, plot  # noqa: E402
@@ -140,6 +145,9 @@ def parse(argv):
                    help="random weights: HF's init (std 0.02), or with the residual branches' output "
                         "projections scaled by 1/sqrt(2 * layers) (GPT-2's init, closer to trained models)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--floor", action="store_true",
+                   help="decode: also the step with every all-reduce dropped (no communication, wrong numbers), "
+                        "the floor under off and on in the same run")
     p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--quantized", choices=QUANTIZED_LEVELS,
                    help="prefill also with the pass and this quantized all-reduce (fp8 on FlashInfer)")
@@ -148,17 +156,16 @@ def parse(argv):
     p.add_argument("--lengths", type=int, nargs=2, default=None, metavar=("LONG", "SHORT"),
                    help="new tokens per call of loop and generate, timed by difference (default 144 16; "
                         "--tiny 12 4)")
-    p.add_argument("--reps", type=int, default=3, help="timed (long, short) pairs per loop/generate config")
-    p.add_argument("--fresh-per-length", action="store_true",
-                   help="loop/generate: a fresh compile per length (dynamo reset), longest first; otherwise "
-                        "done only where the shared compile fails")
+    p.add_argument("--pairs", type=int, default=8,
+                   help="loop/generate: interleaved off/on pairs per variant that must be valid (no compile or "
+                        "CUDA-graph recording in them); at most twice as many are tried")
+    p.add_argument("--gen-variants", nargs="+", default=["greedy:1"], metavar="MODE:BATCH",
+                   help="generate (and loop, greedy only): sampling mode and batch, e.g. greedy:1 sample:1 greedy:8 "
+                        "sample:8")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
                    help="configs of loop and generate (off alone at TP=1: nothing to fuse)")
     p.add_argument("--replays", type=int, default=100, help="CUDA-graph replays per decode measurement")
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
-    p.add_argument("--loop-order", nargs=2, default=list(CONFIGS), choices=CONFIGS,
-                   help="which config the loop phase runs first (at TP=4 the fused loop run after the unfused "
-                        "one in the same process was as slow as it: docs/benchmarks.md, 'Host-bound loops')")
     p.add_argument("--budget-s", type=float, default=0, help="skip phases that would start after this many seconds")
     p.add_argument("--strict", action="store_true", help="raise on a failing phase (tests)")
     p.add_argument("--ckpt-dir", default=None, help="where random checkpoints are written (default: temp dir)")
@@ -182,6 +189,10 @@ def parse(argv):
     if args.configs != list(CONFIGS) and set(args.phases) & set(NEED_BOTH):
         p.error(f"--configs applies to loop and generate; {sorted(set(args.phases) & set(NEED_BOTH))} "
                 "compare off and on")
+    try:
+        [parse_variant(v) for v in args.gen_variants]
+    except ValueError as e:
+        p.error(str(e))
     if args.lengths is None:
         args.lengths = [12, 4] if args.tiny else [144, 16]
     if min(args.lengths) < 2 or args.lengths[0] == args.lengths[1]:

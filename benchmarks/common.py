@@ -1,4 +1,5 @@
-"""Helpers the benchmarks share: what the fused op ran, errors, timing by difference, saving, plots.
+"""Helpers the benchmarks share: what the fused op ran, the no-communication floor, errors, timing by
+difference, saving, plots.
 
 Timing inside CUDA graphs (`time_in_graph`) and the progress bar (`Progress`) are the package's
 own (`arfusion.tuning`); import them from there.
@@ -8,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 # No NVLink multicast anywhere (NCCL NVLS, torch symmetric memory, NVSHMEM): as .device/setup.sh.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -36,6 +37,38 @@ def dispatch_since(before: dict) -> dict:
 
     old = before["dispatch"]
     return {k: v - old.get(k, 0) for k, v in arfusion.stats()["dispatch"].items() if v != old.get(k, 0)}
+
+
+# ----------------------------------------------------------------- the no-communication floor
+
+
+class NoAllReduce(CustomGraphPass):
+    """A post-grad pass for the decode step's floor: every all-reduce becomes its own input, so each
+    rank keeps its partial sum (wrong numbers) and the step runs without that communication. The
+    step's lower bound: (off - on) / (off - floor) is the share of the all-reduces' cost the pass
+    removes. All-gathers (the LM head's) stay. `dropped` counts the all-reduces removed."""
+
+    dropped = 0
+
+    def __call__(self, graph) -> None:
+        from arfusion.graph_utils import ALL_REDUCE, WAIT
+
+        for node in list(graph.nodes):
+            if node.target is WAIT and getattr(node.args[0], "target", None) is ALL_REDUCE:
+                reduce = node.args[0]
+                node.replace_all_uses_with(reduce.args[0])
+                graph.erase_node(node)
+                if not reduce.users:
+                    graph.erase_node(reduce)
+                NoAllReduce.dropped += 1
+
+    def uuid(self) -> str:
+        return "arfusion-bench-no-all-reduce-1"
+
+
+def floor_options() -> dict:
+    """torch.compile options that compile the floor (NoAllReduce as the post-grad pass)."""
+    return {"post_grad_custom_post_pass": NoAllReduce()}
 
 
 # ----------------------------------------------------------------- errors
@@ -81,22 +114,6 @@ def by_difference(long_n: int, long_value: float, short_n: int, short_value: flo
     A whole call divided by its tokens mixes the two (prefill, cache set-up, compile checks)."""
     per_token = (long_value - short_value) / (long_n - short_n)
     return per_token, short_value - short_n * per_token
-
-
-def steady_state(samples: dict[int, Sequence[float]]) -> dict:
-    """`samples[n]`: wall ms of calls making n new tokens, at two lengths, in pairs (rep i of each
-    length ran back to back). Steady-state ms per token is the median over pairs of the difference
-    between the two lengths; the fixed per-call cost is the short call's median less its tokens
-    at that rate. `naive_ms_per_token` is the long call divided by its tokens (the old method)."""
-    long_n, short_n = max(samples), min(samples)
-    pairs = [by_difference(long_n, a, short_n, b)[0] for a, b in zip(samples[long_n], samples[short_n])]
-    per_token = statistics.median(pairs)
-    long_ms, short_ms = statistics.median(samples[long_n]), statistics.median(samples[short_n])
-    return {"ms_per_token": round(per_token, 4), "fixed_ms": round(short_ms - short_n * per_token, 3),
-            "lengths": [long_n, short_n], "call_ms": {str(long_n): round(long_ms, 3), str(short_n): round(short_ms, 3)},
-            "ms_per_token_pairs": [round(p, 4) for p in pairs],
-            "samples_ms": {str(n): [round(v, 3) for v in samples[n]] for n in (long_n, short_n)},
-            "naive_ms_per_token": round(long_ms / long_n, 4), "method": "difference of two lengths"}
 
 
 def per_token_counts(long_n: int, long_counts: dict, short_n: int, short_counts: dict) -> dict:

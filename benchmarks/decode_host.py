@@ -2,26 +2,34 @@
 
   loop      a hand-written greedy loop: eager prefill into a static cache, then one compiled
             step per token, mode="reduce-overhead" (cudagraph trees) on GPU
-  generate  HF generate() with a static cache and its own compile (reduce-overhead on GPU)
+  generate  HF generate() with a static cache and its own compile (reduce-overhead on GPU),
+            greedy or sampling (--gen-variants greedy:1 sample:1 greedy:8 sample:8: mode:batch)
 
-Each call makes n new tokens from the same prompt. Timed by difference of two lengths
-(--lengths, default 144 and 16): the longest call first (compile, CUDA-graph recording; one
-static cache then serves every call: HF keeps the largest static cache seen, and a larger
-max_new_tokens than before builds a new cache, recompiles and records new graphs), then --reps
-pairs of (long, short) calls. Steady-state ms per token = (long - short) / (n_long - n_short), the
-median over pairs; the fixed cost per call (prefill, cache set-up, first token) = short - n_short x
-that. A whole call divided by its tokens mixes the two ("naive_ms_per_token", kept to compare).
+Off and on live side by side in one process and take turns: --pairs interleaved pairs, each pair
+one call of each config at each of two lengths (--lengths, default 144 and 16), the config that
+goes first alternating from pair to pair. Steady-state ms per token of a config in a pair =
+(long - short) / (n_long - n_short); the fixed cost per call (prefill, cache set-up, first token)
+= short - n_short x that. A whole call divided by its tokens mixes the two ("naive_ms_per_token",
+kept to compare). Each pair's on/off ratio, and their median and spread, are the comparison.
 
-Alongside, per config: the first call's seconds (compile + recording), graphs compiled, what
-cudagraph trees did per token (replays, recordings, eager runs), and on GPU the profiler over one
-call of each length: GPU kernels, GPU busy time (union of kernel intervals), CUDA-graph launches
-and single kernel launches from the host, per token by the same difference, and per call.
+Before the pairs, each config makes one call of each length, longest first (compile, CUDA-graph
+recording; HF keeps the largest static cache seen, so one cache then serves every call). A pair
+in which any call compiled a graph, recorded a CUDA graph again or ran cudagraph trees' eager
+warm-up is excluded from the medians and counted (with what happened); pairs are added until
+--pairs valid ones exist or twice as many were tried.
+
+Per config, alongside: the first calls' seconds, sites fused in the graphs its calls compiled,
+and on GPU the profiler over one call of each length: GPU kernels, GPU busy time (union of
+kernel intervals), CUDA-graph and single kernel launches from the host, per token by the same
+difference, and GPU busy / wall per token (how host-bound the path is).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import statistics
+import time
 
 import torch
 import torch._dynamo.utils
@@ -29,8 +37,11 @@ import torch.distributed as dist
 
 import arfusion
 from arfusion.tuning import Progress
-from common import dispatch_since, per_token_counts, steady_state, wall_ms
+from common import by_difference, dispatch_since, per_token_counts, wall_ms
+from decode_model import CONFIGS
 from decode_phases import kernel_tally
+
+REDONE = ("record_function", "run_eager")  # cudagraph trees' work that a steady-state call should not do
 
 
 @contextlib.contextmanager
@@ -60,55 +71,121 @@ def cudagraph_tree_work(tally: dict):
             setattr(manager, name, fn)
 
 
+HF_COMPILE_ATTRS = ("_compiled_call", "_last_compile_config", "_previous_max_cache_length")
+
+
 def forget_compiles(model) -> None:
     """A fresh start: dynamo's compiled code and cudagraph trees gone, HF's compiled call and
     remembered static-cache length too (generate compiles its own call, per compile config)."""
     torch._dynamo.reset()
-    for attr in ("_compiled_call", "_previous_max_cache_length"):
+    for attr in HF_COMPILE_ATTRS:
         if hasattr(model, attr):
             delattr(model, attr)
 
 
-def loop_call(b, name: str):
-    """call(n): a greedy loop making n new tokens (eager prefill, n - 1 compiled steps)."""
-    fn = b.compile(name, reduce_overhead=True)
-    ids = b.prompt(1, b.args.prompt, seed=5)
-    cache = b.cache(b.args.prompt + max(b.args.lengths) + 8)
+class Runner:
+    """One config's calls: call(n) makes n new tokens; `active()` wraps every call of this config
+    (generate: the pass installed or not, and this config's own compiled call in place)."""
 
-    def call(n: int):
-        cache.reset()  # zeroes the same tensors in place: the graphs' static inputs stay
-        with torch.no_grad():
-            token = b.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            for _ in range(n - 1):
-                token = fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        return token
+    def __init__(self, b, name: str):
+        self.b, self.name = b, name
 
-    return call
+    @contextlib.contextmanager
+    def active(self):
+        yield
 
 
-def generate_call(b, name: str):
-    """call(n): model.generate() making exactly n new tokens, greedy, static cache."""
-    from transformers import GenerationConfig
+class LoopRunner(Runner):
+    """A greedy loop making n new tokens (eager prefill, n - 1 compiled steps); its own compile."""
 
-    ids = b.prompt(1, b.args.prompt, seed=5)
+    def __init__(self, b, name: str):
+        super().__init__(b, name)
+        self.fn = b.compile(name, reduce_overhead=True)
 
-    def call(n: int):
-        gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static")
-        if not b.cuda:  # HF compiles generate's decode only on CUDA unless told otherwise
-            from transformers import CompileConfig
+    def variant(self, sample: bool, batch: int):
+        if sample:
+            raise ValueError("the hand-written loop is greedy only")
+        b = self.b
+        ids = b.prompt(batch, b.args.prompt, seed=5)
+        cache = b.cache(b.args.prompt + max(b.args.lengths) + 8)
 
-            gen.compile_config = CompileConfig(dynamic=False)
-            gen.compile_config._compile_all_devices = True
-        with torch.no_grad():
-            return b.model.generate(ids, generation_config=gen)
+        def call(n: int):
+            cache.reset()  # zeroes the same tensors in place: the graphs' static inputs stay
+            with torch.no_grad():
+                token = b.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                for _ in range(n - 1):
+                    token = self.fn(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            return token
 
-    return call
+        return call
 
 
-def median_counts(tallies: list[dict]) -> dict:
-    """Each count's median over calls: what a call typically does."""
-    keys = {k for t in tallies for k in t}
-    return {k: statistics.median(t.get(k, 0) for t in tallies) for k in keys}
+class GenerateRunner(Runner):
+    """model.generate() making exactly n new tokens, static cache, HF's own compile. Each config
+    hands generate a compile config of its own: reduce-overhead's option (CUDA graphs) and, for
+    "on", the pass (what arfusion.enable() installs globally, here per config, so that the two
+    configs' graphs never serve each other). HF keeps one compiled call per model: each config
+    keeps its own and puts it back while active."""
+
+    def __init__(self, b, name: str):
+        from transformers import CompileConfig
+
+        super().__init__(b, name)
+        options = {"triton.cudagraphs": b.cuda}  # what mode="reduce-overhead", HF's default, sets
+        if name == "on":
+            options.update(arfusion.inductor_options(b.pass_config))
+        self.compile_config = CompileConfig(dynamic=False, mode=None, options=options)
+        self.compile_config._compile_all_devices = not b.cuda  # HF compiles on CUDA only unless told
+        self.saved = {}
+
+    @contextlib.contextmanager
+    def active(self):
+        model = self.b.model
+        for attr in HF_COMPILE_ATTRS[:2]:
+            if hasattr(model, attr):
+                delattr(model, attr)
+        model.__dict__.update(self.saved)
+        try:
+            yield
+        finally:
+            self.saved = {a: getattr(model, a) for a in HF_COMPILE_ATTRS[:2] if hasattr(model, a)}
+
+    def variant(self, sample: bool, batch: int):
+        from transformers import GenerationConfig
+
+        b = self.b
+        ids = b.prompt(batch, b.args.prompt, seed=5)
+
+        def call(n: int):
+            gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=sample,
+                                   cache_implementation="static", compile_config=self.compile_config)
+            if sample:
+                gen.top_k, gen.temperature = 50, 1.0
+                torch.manual_seed(11)  # the same draws on every rank and for every config
+            with torch.no_grad():
+                return b.model.generate(ids, generation_config=gen)
+
+        return call
+
+
+RUNNERS = {"loop": LoopRunner, "generate": GenerateRunner}
+
+
+def parse_variant(text: str) -> tuple[str, bool, int]:
+    """'greedy:8' -> ('greedy_b8', False, 8)."""
+    mode, _, batch = text.partition(":")
+    if mode not in ("greedy", "sample") or not batch.isdigit():
+        raise ValueError(f"variant {text!r}: mode:batch, mode greedy or sample")
+    return f"{mode}_b{batch}", mode == "sample", int(batch)
+
+
+def spread(values: list[float]) -> dict:
+    """Median, quartiles and extremes of a list (empty dict for none)."""
+    if not values:
+        return {}
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return {"median": round(statistics.median(values), 4), "q1": round(q[0], 4), "q3": round(q[2], 4),
+            "min": round(min(values), 4), "max": round(max(values), 4), "n": len(values)}
 
 
 def profile_call(call, n: int) -> dict:
@@ -122,106 +199,143 @@ def profile_call(call, n: int) -> dict:
             "graph_launches": tally["graph_launches"], "kernel_launches": tally["kernel_launches"]}
 
 
-def measure(b, call, fresh_per_length: bool, reset, progress) -> dict:
-    """One config of one runner: first call, timed pairs, counts per token, profile (GPU)."""
+def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
+    """Interleaved pairs of every config's (long, short) calls: see the module's docstring."""
     long_n, short_n = max(b.args.lengths), min(b.args.lengths)
     counters = torch._dynamo.utils.counters
-    graphs0 = counters["stats"]["unique_graphs"]
-    samples, work = {long_n: [], short_n: []}, {long_n: [], short_n: []}
-    out, compiled_in_first = {}, []
+    names = list(runners)
+    out = {name: {"first_call_s": {}} for name in names}
 
-    def timed(n):
+    def one(name: str, n: int) -> dict:
+        graphs, fused = counters["stats"]["unique_graphs"], arfusion.stats()["fused_sites"]
         tally = {}
-        with cudagraph_tree_work(tally):
-            samples[n].append(wall_ms(lambda: call(n), b.device))
-        work[n].append(tally)
-        progress.update(f"{n} tokens {samples[n][-1]:.0f} ms")
-
-    def first(n):
-        fused, graphs = arfusion.stats()["fused_sites"], counters["stats"]["unique_graphs"]
-        ms = wall_ms(lambda: call(n), b.device)  # compiles, records graphs
-        out.setdefault("first_call_s", {})[str(n)] = round(ms / 1e3, 2)
-        out.setdefault("fused_sites_per_compile", []).append(arfusion.stats()["fused_sites"] - fused)
-        compiled_in_first.append(counters["stats"]["unique_graphs"] - graphs)
-        progress.update(f"first call {ms / 1e3:.1f} s")
+        with runners[name].active(), cudagraph_tree_work(tally):
+            ms = wall_ms(lambda: calls[name](n), b.device)
+        return {"ms": ms, "graphs": counters["stats"]["unique_graphs"] - graphs, "work": tally,
+                "fused_sites": arfusion.stats()["fused_sites"] - fused}
 
     dist.barrier()
-    if fresh_per_length:  # a fresh compile per length, longest first: nothing recorded is reused
+    for name in names:  # compile and record, longest first
+        fused = 0
         for n in (long_n, short_n):
-            reset()
-            first(n)
-            for _ in range(b.args.reps):
-                timed(n)
-    else:
-        first(long_n)
-        for _ in range(b.args.reps):
-            for n in (long_n, short_n):
-                timed(n)
-    out.update(steady_state(samples))
-    typical = {n: median_counts(work[n]) for n in work}  # a stray re-recording is counted below
-    out["cudagraph_work"] = per_token_counts(long_n, typical[long_n], short_n, typical[short_n])
-    out["cudagraph_work_timed_calls"] = {str(n): work[n] for n in (long_n, short_n)}
-    out["rerecords_in_timed_calls"] = sum(t.get("record_function", 0) + t.get("run_eager", 0)
-                                          for n in work for t in work[n])
-    out["graphs_compiled"] = counters["stats"]["unique_graphs"] - graphs0
-    out["graphs_compiled_in_timed_calls"] = out["graphs_compiled"] - sum(compiled_in_first)
-    out["compile_s"] = round(out["first_call_s"][str(long_n)] - out["call_ms"][str(long_n)] / 1e3, 2)
-    if b.cuda:
-        prof = {n: profile_call(call, n) for n in (long_n, short_n)}
-        progress.update("profiled")
-        out["profile"] = per_token_counts(long_n, prof[long_n], short_n, prof[short_n])
-        busy = out["profile"]["gpu_busy_ms"]["per_token"]
-        out["gpu_busy_ms_per_token"] = round(busy, 4)
-        out["gpu_busy_fraction"] = round(busy / out["ms_per_token"], 3) if out["ms_per_token"] > 0 else None
-    return out
+            first = one(name, n)
+            out[name]["first_call_s"][str(n)] = round(first["ms"] / 1e3, 2)
+            fused = max(fused, first["fused_sites"])
+        out[name]["fused_sites"] = fused  # in the graph its calls compiled (one step of the model)
+        progress.update(f"{name} first calls {sum(out[name]['first_call_s'].values()):.1f} s")
+    pairs, valid = [], []
+    while len(valid) < b.args.pairs and len(pairs) < 2 * b.args.pairs:
+        order = names if len(pairs) % 2 == 0 else names[::-1]
+        pair = {"order": order}
+        for name in order:
+            long_call, short_call = one(name, long_n), one(name, short_n)
+            per_token, fixed = by_difference(long_n, long_call["ms"], short_n, short_call["ms"])
+            redone = sum(c["work"].get(k, 0) for c in (long_call, short_call) for k in REDONE)
+            pair[name] = {"long_ms": round(long_call["ms"], 3), "short_ms": round(short_call["ms"], 3),
+                          "ms_per_token": round(per_token, 4), "fixed_ms": round(fixed, 3),
+                          "graphs_compiled": long_call["graphs"] + short_call["graphs"], "cudagraphs_redone": redone,
+                          "replays": sum(c["work"].get("execute_node", 0) for c in (long_call, short_call))}
+        pair["valid"] = not any(pair[n]["graphs_compiled"] or pair[n]["cudagraphs_redone"] for n in names)
+        if len(names) == 2:
+            pair["on_speedup"] = round(pair["off"]["ms_per_token"] / pair["on"]["ms_per_token"], 4)
+        pairs.append(pair)
+        if pair["valid"]:
+            valid.append(pair)
+        progress.update(f"pair {len(pairs)}: " + ", ".join(f"{n} {pair[n]['ms_per_token']:.3f}" for n in names)
+                        + ("" if pair["valid"] else " (excluded)"))
+    excluded = collections.Counter()
+    for p in pairs:
+        for n in names:
+            if p[n]["graphs_compiled"]:
+                excluded[f"{n}: graphs compiled"] += 1
+            if p[n]["cudagraphs_redone"]:
+                excluded[f"{n}: CUDA graphs recorded again or eager warm-up"] += 1
+    for name in names:
+        row = out[name]
+        per_token = [p[name]["ms_per_token"] for p in valid]
+        row["ms_per_token"] = round(statistics.median(per_token), 4) if per_token else None
+        row["ms_per_token_spread"] = spread(per_token)
+        row["fixed_ms"] = round(statistics.median(p[name]["fixed_ms"] for p in valid), 3) if valid else None
+        row["naive_ms_per_token"] = (round(statistics.median(p[name]["long_ms"] for p in valid) / long_n, 4)
+                                     if valid else None)
+        if b.cuda:
+            with runners[name].active():
+                prof = {n: profile_call(lambda n=n: calls[name](n), n) for n in (long_n, short_n)}
+            row["profile"] = per_token_counts(long_n, prof[long_n], short_n, prof[short_n])
+            busy = row["profile"]["gpu_busy_ms"]["per_token"]
+            row["gpu_busy_ms_per_token"] = round(busy, 4)
+            row["gpu_busy_fraction"] = round(busy / row["ms_per_token"], 3) if row["ms_per_token"] else None
+            progress.update(f"{name} profiled")
+    result = {**out, "pairs": pairs, "valid_pairs": len(valid), "excluded_pairs": len(pairs) - len(valid),
+              "excluded_why": dict(excluded)}
+    if len(names) == 2:
+        result["on_speedup"] = spread([p["on_speedup"] for p in valid])
+        for first in names:  # an order effect shows as a different ratio by which config went first
+            result[f"on_speedup_{first}_first"] = spread([p["on_speedup"] for p in valid if p["order"][0] == first])
+    return result
 
 
 def run_host_phase(b, kind: str) -> dict:
-    """loop or generate, for each config (--configs, in --loop-order for the loop)."""
-    configs = [c for c in (b.args.loop_order if kind == "loop" else ("off", "on")) if c in b.args.configs]
-    steps_per_config = (2 if b.args.fresh_per_length else 1) + 2 * b.args.reps + (1 if b.cuda else 0)
-    progress = Progress(len(configs) * steps_per_config, f"{kind} ({', '.join(configs)})", enabled=b.rank == 0)
-    result = {"lengths": sorted(b.args.lengths, reverse=True), "reps": b.args.reps, "prompt": b.args.prompt,
-              "batch": 1, "mode": "reduce-overhead (cudagraph trees)" if b.cuda else "default (CPU)"}
+    """loop or generate: each variant's interleaved pairs over the configs (--configs)."""
+    names = [c for c in CONFIGS if c in b.args.configs]
+    variants = [parse_variant(v) for v in b.args.gen_variants]
+    if kind == "loop":
+        variants = [v for v in variants if not v[1]] or [("greedy_b1", False, 1)]
+    # first calls + up to 2 x pairs + profile, per variant
+    progress = Progress(len(variants) * (len(names) * (2 if b.cuda else 1) + 2 * b.args.pairs),
+                        f"{kind} ({', '.join(v[0] for v in variants)})", enabled=b.rank == 0)
+    result = {"lengths": sorted(b.args.lengths, reverse=True), "pairs": b.args.pairs, "prompt": b.args.prompt,
+              "configs": names, "mode": "reduce-overhead (cudagraph trees)" if b.cuda else "default (CPU)",
+              "method": "interleaved pairs, difference of two lengths", "variants": {}}
+    forget_compiles(b.model)
+    b.compiled.clear()  # the decode phase's compiles went with dynamo's reset
     try:
-        for name in configs:
-            forget_compiles(b.model)
-            if kind == "generate" and name == "on":
-                arfusion.enable(b.pass_config)  # generate compiles its own call: the pass is read then
+        runners = {name: RUNNERS[kind](b, name) for name in names}
+        for label, sample, batch in variants:
+            if b.args.budget_s and time.time() > b.started + b.args.budget_s:
+                result["variants"][label] = {"skipped": "time budget (--budget-s) spent"}
+                b.say(f"{kind} {label}: skipped, time budget spent")
+                continue
             before = arfusion.stats()
-            make = loop_call if kind == "loop" else generate_call
-            call = make(b, name)
-
-            def reset():
-                forget_compiles(b.model)
-
-            fresh = b.args.fresh_per_length
             try:
-                row = measure(b, call, fresh, reset, progress)
-            except Exception as e:  # e.g. cudagraph trees' input-length assertion on a changed call
-                if fresh:
+                calls = {name: runners[name].variant(sample, batch) for name in names}
+                row = measure_variant(b, runners, calls, progress)
+            except Exception as e:  # e.g. a cudagraph-trees assertion: the other variants still run
+                if b.args.strict:
                     raise
-                error = f"{type(e).__name__}: {str(e)[:300]}"
-                b.say(f"{kind} {name}: {error}; again with a fresh compile per length")
-                row = measure(b, make(b, name), True, reset, progress)
-                row["shared_compile_error"] = error
-                fresh = True
-            row["fresh_compile_per_length"] = fresh
-            row["fused_sites"] = max(row.pop("fused_sites_per_compile"))  # in the graph the call compiled
-            row["dispatch"] = dispatch_since(before)
-            arfusion.disable()
-            result[name] = row
-            b.say(f"{kind} {name}: {row['ms_per_token']} ms/token steady, {row['fixed_ms']} ms fixed per call "
-                  f"(naive {row['naive_ms_per_token']}), first call {row['first_call_s']} s, "
-                  f"GPU busy {row.get('gpu_busy_ms_per_token')} ms/token, {row['fused_sites']} sites fused")
+                row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            row.update(batch=batch, sample=sample, dispatch=dispatch_since(before))
+            result["variants"][label] = row
+            b.result["phases"][kind] = result  # saved after every variant: a run cut short keeps them
+            b.save()
+            b.say(variant_line(kind, label, row))
     finally:
         arfusion.disable()
         progress.close()
     step = next((r for r in b.result["phases"].get("decode", {}).get("rows", []) if r["batch"] == 1), None)
+    greedy = result["variants"].get("greedy_b1", {})
     if step and b.cuda:  # the captured decode step's GPU time against the steady-state wall time
-        for name in configs:
-            result[name]["captured_step_fraction"] = round(step[f"{name}_ms"] / result[name]["ms_per_token"], 3)
+        for name in names:
+            if greedy.get(name, {}).get("ms_per_token"):
+                greedy[name]["captured_step_fraction"] = round(step[f"{name}_ms"] / greedy[name]["ms_per_token"], 3)
     return result
+
+
+def variant_line(kind: str, label: str, row: dict) -> str:
+    if "error" in row or "skipped" in row:
+        return f"{kind} {label}: {'FAILED ' + row['error'] if 'error' in row else row['skipped']}"
+    parts = []
+    for name in CONFIGS:
+        r = row.get(name)
+        if r and r.get("ms_per_token") is not None:
+            s = r["ms_per_token_spread"]
+            busy = f", GPU busy {r['gpu_busy_ms_per_token']:.3f}" if r.get("gpu_busy_ms_per_token") is not None else ""
+            parts.append(f"{name} {r['ms_per_token']:.3f} ms/token ({s['min']:.3f}-{s['max']:.3f}), "
+                         f"fixed {r['fixed_ms']:.1f} ms{busy}, {r['fused_sites']} sites")
+    speed = row.get("on_speedup") or {}
+    ratio = (f"; on/off speed {speed['median']:.3f}x ({speed['min']:.3f}-{speed['max']:.3f})" if speed else "")
+    return (f"{kind} {label}: " + "; ".join(parts) + ratio +
+            f"; {row['valid_pairs']} valid pairs, {row['excluded_pairs']} excluded {row['excluded_why'] or ''}")
 
 
 def phase_loop(b):
@@ -233,20 +347,6 @@ def phase_generate(b):
 
 
 def host_summary(result: dict) -> list[str]:
-    """One line per runner and config, for the end-of-run table."""
-    lines = []
-    for kind in ("generate", "loop"):
-        phase = result["phases"].get(kind, {})
-        for name in ("off", "on"):
-            r = phase.get(name)
-            if not isinstance(r, dict) or "fixed_ms" not in r:  # not measured, or an older JSON
-                continue
-            busy = f", GPU busy {r['gpu_busy_ms_per_token']:.3f} ms" if r.get("gpu_busy_ms_per_token") is not None else ""
-            launches = ""
-            if "profile" in r:
-                p = r["profile"]
-                launches = (f", {p['graph_launches']['per_token']:g} graph launches + "
-                            f"{p['kernel_launches']['per_token']:g} kernel launches per token")
-            lines.append(f"{kind + ' ' + name:<13} {r['ms_per_token']:8.3f} ms/token steady, {r['fixed_ms']:8.2f} ms "
-                         f"fixed per call (whole call / tokens: {r['naive_ms_per_token']:.3f}){busy}{launches}")
-    return lines
+    """One line per runner and variant, for the end-of-run table."""
+    return [variant_line(kind, label, row) for kind in ("generate", "loop")
+            for label, row in result["phases"].get(kind, {}).get("variants", {}).items()]

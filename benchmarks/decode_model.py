@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import arfusion
 from arfusion.hf import prepare_for_compile, tp_kwargs
-from common import save_json, sync
+from common import floor_options, save_json, sync
 
 # Real models' shapes (random weights): Llama-3-8B, Qwen3-8B, Gemma-7B, Qwen3-30B-A3B, DeepSeek-V2-Lite.
 PRESETS = {
@@ -221,9 +221,10 @@ class Bench:
 
     def compile(self, name: str, reduce_overhead: bool = False):
         """model compiled without ("off") or with ("on") the pass, or with it and the quantized
-        all-reduce ("quantized"); per-compile options so they coexist in one process."""
+        all-reduce ("quantized"), or with every all-reduce dropped ("floor": the step without that
+        communication, wrong numbers); per-compile options so they coexist in one process."""
         config = {"on": self.pass_config, "quantized": self.quantized_config}.get(name)
-        options = dict(arfusion.inductor_options(config)) if config else {}
+        options = dict(arfusion.inductor_options(config)) if config else floor_options() if name == "floor" else {}
         if reduce_overhead and self.cuda:
             options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
         return torch.compile(self.model, options=options or None)

@@ -15,10 +15,14 @@ def format_table(result: dict) -> str:
     lines = [f"{m['model_type']} {m['layers']} layers, hidden {m['hidden']}, TP={m['world']}{fake}, {m['device']}, "
              f"torch {m['torch']}, transformers {m['transformers']}"]
     if "rows" in ph.get("decode", {}):
-        lines.append(f"{'decode step':<22} {'off ms':>9} {'on ms':>9} {'gain':>7} {'on tok/s':>10}")
+        floor = "floor_ms" in ph["decode"]["rows"][0]
+        lines.append(f"{'decode step':<22} {'off ms':>9} {'on ms':>9} {'gain':>7} {'on tok/s':>10}"
+                     + (f" {'floor ms':>9} {'comm removed':>13}" if floor else ""))
         for r in ph["decode"]["rows"]:
             lines.append(f"{'batch ' + str(r['batch']):<22} {r['off_ms']:9.3f} {r['on_ms']:9.3f} "
-                         f"{r['gain_pct']:6.1f}% {r['on_tokens_per_s']:10.1f}")
+                         f"{r['gain_pct']:6.1f}% {r['on_tokens_per_s']:10.1f}"
+                         + (f" {r['floor_ms']:9.3f} {str(r['comm_removed_pct']) + '%' if r['comm_ms'] > 0 else '-':>13}"
+                            if floor else ""))
     if "rows" in ph.get("prefill", {}):
         level = ph["prefill"].get("quantized")
         if level:

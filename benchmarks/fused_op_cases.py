@@ -122,7 +122,8 @@ def init_distributed():
 def save_rows(rank, path, meta, started, rows):
     """Rank 0 rewrites the JSON after every row: a stage cut short still leaves its rows."""
     if rank == 0:
-        save_json(path, {"meta": {**meta, "seconds": round(time.time() - started)}, "rows": rows})
+        save_json(path, {"meta": {**meta, "seconds": round(time.time() - started),
+                                  "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started))}, "rows": rows})
 
 
 def finish(rank, backend, table, path):

@@ -11,10 +11,12 @@ per token (by difference of two lengths) and the fixed cost per call apart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hf_decode.py"
 LAYERS = 2
 LENGTHS = (12, 4)  # --tiny's default --lengths
+PAIRS = 3
 
 
 def run_tiny(out: Path, *args: str, fake_world: bool = False) -> dict:
@@ -39,7 +42,8 @@ def run_tiny(out: Path, *args: str, fake_world: bool = False) -> dict:
 def result(tmp_path_factory):
     """Every phase, one process (a torchrun pair did the same work twice: about 300 s of CPU, not 135)."""
     return run_tiny(tmp_path_factory.mktemp("bench"), "--batches", "1", "4", "--prefill", "16", "--steps", "8",
-                    "--replays", "20", "--quantized", "fp8", fake_world=True)
+                    "--replays", "20", "--quantized", "fp8", "--floor", "--pairs", str(PAIRS),
+                    "--gen-variants", "greedy:1", "sample:1", fake_world=True)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +87,57 @@ def test_decode_rows_dispatch_the_fused_op_only_when_on(result):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
+def test_decode_floor_drops_every_all_reduce(result):
+    """--floor: a third decode config compiled with every all-reduce dropped (the step's lower
+    bound); each row says what share of the all-reduces' time (off - floor) the pass removes."""
+    decode = result["json"]["phases"]["decode"]
+    # One graph for batch 1, one dynamic-batch graph for the rest: every all-reduce of each.
+    assert decode["floor"]["all_reduces_dropped"] == 2 * (2 * LAYERS + 1)
+    for r in decode["rows"]:
+        assert r["floor_ms"] > 0 and r["floor_dispatch"] == {}
+        assert r["comm_ms"] == pytest.approx(r["off_ms"] - r["floor_ms"], abs=1e-3)
+        if r["comm_ms"] > 0:
+            assert r["comm_removed_pct"] == pytest.approx(100 * (r["off_ms"] - r["on_ms"]) / r["comm_ms"], abs=0.1)
+    assert "floor ms" in result["stdout"] and "comm removed" in result["stdout"]
+
+
+def test_floor_pass_replaces_each_all_reduce_by_its_input():
+    """The floor's graph pass on a traced graph: all_reduce + wait_tensor gone, their reader
+    reading the all-reduce's input; an all-gather stays."""
+    import torch
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from common import NoAllReduce, floor_options
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    c10d = torch.ops._c10d_functional
+
+    def f(x):
+        y = c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", "0"))
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(y + 1, 2, "0"))
+        return g.sum()
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        graph = make_fx(f)(torch.randn(4)).graph  # the ops' default overloads, as post-grad graphs hold
+        before = NoAllReduce.dropped
+        floor_options()["post_grad_custom_post_pass"](graph)
+        targets = [n.target for n in graph.nodes if n.op == "call_function"]
+        assert NoAllReduce.dropped == before + 1
+        assert c10d.all_reduce.default not in targets and targets.count(c10d.wait_tensor.default) == 1
+        assert c10d.all_gather_into_tensor.default in targets
+        add = next(n for n in graph.nodes if n.op == "call_function" and "add" in str(n.target))
+        assert "mul" in str(add.args[0].target)  # y + 1 now reads x * 2
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_decode_steps_take_the_norm_weight_into_the_op(result):
     """Batch 1 decodes one token: HF Llama's norm is still the `rms` form with its weight in the
     op (it was once left as a multiply after a weightless site, one more kernel per site)."""
@@ -105,57 +160,114 @@ def test_fused_answers_match_unfused(run, request):
     assert acc["summary"]["on_vs_fp32_max_rel_l2"] < 2 * acc["summary"]["off_vs_fp32_max_rel_l2"] + 1e-3
 
 
+VARIANTS = {"generate": ["greedy_b1", "sample_b1"], "loop": ["greedy_b1"]}  # the loop is greedy only
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_generate_and_loop_compile_graphs_the_pass_fuses(result):
-    for kind in ("generate", "loop"):
+    for kind, labels in VARIANTS.items():
         g = result["json"]["phases"][kind]
-        assert g["on"]["fused_sites"] == 2 * LAYERS + 1 and g["off"]["fused_sites"] == 0, kind
+        assert list(g["variants"]) == labels, kind
+        for label in labels:
+            v = g["variants"][label]
+            assert v["on"]["fused_sites"] == 2 * LAYERS + 1 and v["off"]["fused_sites"] == 0, (kind, label)
+            assert v["batch"] == 1 and v["sample"] == (label == "sample_b1")
 
 
-def assert_steady_state_by_difference(row: dict, lengths=LENGTHS):
-    """ms per token is the median over (long, short) pairs of their difference over the tokens
-    between them; the fixed cost per call is what the short call has left at that rate."""
+def assert_interleaved_pairs(v: dict, lengths=LENGTHS):
+    """Each pair holds one call of each config at each length, the config going first alternating;
+    a config's ms per token in a pair is the difference of its two calls over the tokens between
+    them, its row the median over valid pairs; the ratio is per pair, then its median."""
     long_n, short_n = lengths
-    assert row["lengths"] == [long_n, short_n] and row["method"] == "difference of two lengths"
-    longs, shorts = row["samples_ms"][str(long_n)], row["samples_ms"][str(short_n)]
-    assert len(longs) == len(shorts) >= 2
-    pairs = [(a - b) / (long_n - short_n) for a, b in zip(longs, shorts)]
-    assert row["ms_per_token"] == pytest.approx(statistics.median(pairs), abs=1e-3)
-    assert row["fixed_ms"] == pytest.approx(statistics.median(shorts) - short_n * row["ms_per_token"], abs=1e-2)
-    # The old method, kept beside it: the whole long call over its tokens.
-    assert row["naive_ms_per_token"] == pytest.approx(statistics.median(longs) / long_n, abs=1e-3)
-    assert str(long_n) in row["first_call_s"] and row["first_call_s"][str(long_n)] > 0
-    assert row["graphs_compiled"] >= 1 and "cudagraph_work" in row
+    pairs = v["pairs"]
+    assert len(pairs) >= PAIRS and v["valid_pairs"] + v["excluded_pairs"] == len(pairs)
+    assert [p["order"] for p in pairs[:2]] == [["off", "on"], ["on", "off"]]
+    valid = [p for p in pairs if p["valid"]]
+    assert len(valid) == v["valid_pairs"] >= PAIRS  # CPU: no CUDA graphs, nothing recompiles after the first calls
+    for name in ("off", "on"):
+        for p in pairs:
+            c = p[name]
+            assert c["ms_per_token"] == pytest.approx((c["long_ms"] - c["short_ms"]) / (long_n - short_n), abs=1e-3)
+            assert c["fixed_ms"] == pytest.approx(c["short_ms"] - short_n * c["ms_per_token"], abs=1e-2)
+        row = v[name]
+        assert row["ms_per_token"] == pytest.approx(statistics.median(p[name]["ms_per_token"] for p in valid), abs=1e-3)
+        assert row["ms_per_token_spread"]["n"] == len(valid)
+        assert row["naive_ms_per_token"] == pytest.approx(
+            statistics.median(p[name]["long_ms"] for p in valid) / long_n, abs=1e-3)
+        assert str(long_n) in row["first_call_s"] and str(short_n) in row["first_call_s"]
+    for p in pairs:
+        assert p["on_speedup"] == pytest.approx(p["off"]["ms_per_token"] / p["on"]["ms_per_token"], rel=1e-3)
+    assert v["on_speedup"]["median"] == pytest.approx(statistics.median(p["on_speedup"] for p in valid), abs=1e-3)
 
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_loop_and_generate_report_steady_state_and_fixed_cost_apart(result):
+def test_loop_and_generate_time_interleaved_pairs_by_difference(result):
     phases = result["json"]["phases"]
-    for kind in ("loop", "generate"):
-        assert phases[kind]["lengths"] == list(LENGTHS)
-        for name in ("off", "on"):
-            assert_steady_state_by_difference(phases[kind][name])
-    assert "ms/token steady" in result["stdout"] and "fixed per call" in result["stdout"]
+    for kind, labels in VARIANTS.items():
+        assert phases[kind]["lengths"] == list(LENGTHS) and phases[kind]["method"].startswith("interleaved pairs")
+        for label in labels:
+            assert_interleaved_pairs(phases[kind]["variants"][label])
+    assert "ms/token" in result["stdout"] and "valid pairs" in result["stdout"]
 
 
-def test_steady_state_separates_the_fixed_cost():
-    """A call costing 50 ms plus 10 ms per token: by difference 10 ms/token and 50 ms fixed, where
-    the whole call over its tokens says 10.35 (144 tokens) or 13.1 (16)."""
+def test_excluded_pairs_and_spread():
+    """A pair where a call recompiled or re-recorded a CUDA graph is left out of the medians and
+    counted with what happened; the spread is the valid pairs' median, quartiles and extremes."""
     sys.path.insert(0, str(BENCH.parent))
     try:
-        from common import per_token_counts, steady_state
+        import decode_host
+        from common import by_difference, per_token_counts
     finally:
         sys.path.remove(str(BENCH.parent))
-    calls = {144: [50 + 10 * 144 + e for e in (0.0, 0.4, -0.2)], 16: [50 + 10 * 16 + e for e in (0.1, 0.0, 0.3)]}
-    s = steady_state(calls)
-    assert s["ms_per_token"] == pytest.approx(10, abs=0.01) and s["fixed_ms"] == pytest.approx(50, abs=1)
-    assert s["naive_ms_per_token"] == pytest.approx(1490.0 / 144, abs=1e-3)
+    per_token, fixed = by_difference(144, 50 + 10 * 144, 16, 50 + 10 * 16)
+    assert per_token == pytest.approx(10) and fixed == pytest.approx(50)
     counts = per_token_counts(144, {"graph_launches": 143, "kernels": 143 * 300 + 900}, 16,
                               {"graph_launches": 15, "kernels": 15 * 300 + 900})
     assert counts["graph_launches"] == {"per_token": 1.0, "per_call": -1.0}  # the prefill's token is eager
     assert counts["kernels"] == {"per_token": 300.0, "per_call": 600.0}
+    assert decode_host.spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "q1": 1.25, "q3": 8.25, "min": 1.0,
+                                                           "max": 10.0, "n": 4}
+    assert decode_host.parse_variant("sample:8") == ("sample_b8", True, 8)
+    with pytest.raises(ValueError):
+        decode_host.parse_variant("beam:2")
+
+    # Two configs costing 50 ms a call plus 10 (off) or 8 (on) ms a token; the on config's call
+    # number 3 (its first pair's short call, after its two first calls) re-records a CUDA graph.
+    runners = {name: decode_host.Runner(None, name) for name in ("off", "on")}
+    made, redo = {"off": 0, "on": 0}, {"on": {3}}
+    redone = []
+
+    def call_for(name, rate):
+        def call(n):
+            redone.append(made[name] in redo.get(name, ()))
+            made[name] += 1
+            return 50 + rate * n
+        return call
+
+    @contextlib.contextmanager
+    def work(tally):
+        yield tally
+        if redone.pop():
+            tally["record_function"] = 1
+
+    import torch
+
+    b = types.SimpleNamespace(args=types.SimpleNamespace(lengths=[144, 16], pairs=3), cuda=False,
+                              device=torch.device("cpu"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_host, "wall_ms", lambda fn, device=None: fn())
+        mp.setattr(decode_host, "cudagraph_tree_work", work)
+        mp.setattr(decode_host.dist, "barrier", lambda: None)
+        out = decode_host.measure_variant(b, runners, {"off": call_for("off", 10), "on": call_for("on", 8)},
+                                          types.SimpleNamespace(update=lambda *_: None))
+    assert out["excluded_pairs"] == 1 and out["valid_pairs"] == 3 and len(out["pairs"]) == 4
+    assert out["excluded_why"] == {"on: CUDA graphs recorded again or eager warm-up": 1}
+    assert not out["pairs"][0]["valid"] and all(p["valid"] for p in out["pairs"][1:])
+    assert out["off"]["ms_per_token"] == pytest.approx(10) and out["on"]["ms_per_token"] == pytest.approx(8)
+    assert out["on_speedup"]["median"] == pytest.approx(1.25) and out["on_speedup"]["n"] == 3
+    assert out["off"]["fixed_ms"] == pytest.approx(50)
 
 
 @pytest.mark.multiproc

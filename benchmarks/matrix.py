@@ -1,0 +1,305 @@
+"""The speed matrix: the ways users run a model, without and with the pass, side by side on one machine.
+
+    python benchmarks/matrix.py plan                          # the stages: GPUs, time limit, command
+    python benchmarks/matrix.py run decode2@0,1+generate2@2,3 decode4 generate4 --out $OUT/m --deadline 560
+    python benchmarks/matrix.py report $OUT/m ... --out docs/data/matrix   # JSON + PNG + table per machine
+
+`run` takes groups in order; the stages of one group (joined by "+") run at the same time, each on
+the GPUs after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host. A stage may
+set variables after ":" (generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl
+runs it with that transformers, installed apart). Each stage runs under its own limit, cut to what
+is left of --deadline, and writes its JSON and log under --out/STAGE. Off and on always run in one
+process (or, for serving, in one stage), so every ratio comes from one machine.
+
+`report` reads every result JSON under the folders given (bench_fused_op.py's bench_*_w*.json,
+bench_hf_decode.py's decode_*.json, bench_serving.py's serving_*.json), groups them by machine
+(device and date, or --name) and writes, per machine, matrix_<machine>.json (one row per
+measurement: path, model, TP, case, off, on, the floor where measured, on/off speed with its spread,
+versions, source file), matrix_<machine>.md (the table) and matrix_<machine>.png (speed per row
+against the 0.98 bar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import pyplot, save_figure, save_json  # noqa: E402
+
+BAR = 0.98  # "never slower": on/off speed at or above this, beyond its spread
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    gpus: int
+    limit_s: int
+    script: str
+    args: str
+    what: str
+
+
+LLAMA_DECODE = "--phases decode kernels --floor --batches 1 8 32 --replays 200"
+GENERATE = "--phases generate --pairs 8 --gen-variants greedy:1 sample:1 greedy:8 sample:8 --lengths 128 16"
+PREFILL = "--phases prefill --prefill 512 2048 8192 --quantized fp8 --replays 30"
+STAGES = {
+    **{f"site{n}": Stage(n, 200, "bench_fused_op.py", "--hidden 4096 8192",
+                         "one site, T = 1 ... 8192, bf16") for n in (2, 4)},
+    **{f"sitequant{n}": Stage(n, 240, "bench_fused_op.py",
+                              "--hidden 4096 8192 --tokens 1 8 32 128 512 2048 8192 --quant fp8_static fp8_dynamic fp8_group",
+                              "one site + FP8 quant (static, dynamic, per-group)") for n in (2, 4)},
+    **{f"decode{n}": Stage(n, 420, "bench_hf_decode.py", f"{LLAMA_DECODE} --tag decode",
+                           "Llama-3-8B decode step in one CUDA graph, batch 1/8/32, with the floor") for n in (2, 4)},
+    **{f"generate{n}": Stage(n, 540, "bench_hf_decode.py", f"{GENERATE} --tag generate",
+                             "HF generate(), greedy and sampling, batch 1 and 8, 8 interleaved pairs") for n in (2, 4)},
+    **{f"prefill{n}": Stage(n, 420, "bench_hf_decode.py", f"{PREFILL} --tag prefill",
+                            "prefill 512/2048/8192, with and without the quantized all-reduce") for n in (2, 4)},
+    **{f"serve{n}": Stage(n, 560, "bench_serving.py", "--mixes 1,16,64 --repeats 2",
+                          "generate_batch at 1/16/64 requests: TTFT, ITL, tokens/s") for n in (2, 4)},
+    "moe2": Stage(2, 420, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --phases decode kernels --floor "
+                  "--batches 1 8 --tag moe", "Qwen3-30B-A3B shape decode step, 24 of 48 layers, with the floor"),
+}
+
+
+def plan() -> str:
+    lines = [f"{'stage':<12} {'GPUs':>4} {'limit':>6}  what / command"]
+    for name, s in STAGES.items():
+        lines.append(f"{name:<12} {s.gpus:>4} {s.limit_s:>5}s  {s.what}\n{'':<25}benchmarks/{s.script} {s.args}")
+    return "\n".join(lines)
+
+
+def parse_spec(spec: str) -> tuple[str, list[int] | None, dict]:
+    """'generate2@2,3:A=1:B=2' -> ('generate2', [2, 3], {'A': '1', 'B': '2'})."""
+    head, *env = spec.split(":")
+    name, _, gpus = head.partition("@")
+    if name not in STAGES:
+        raise SystemExit(f"unknown stage {name!r}; `matrix.py plan` lists them")
+    devices = [int(g) for g in gpus.split(",")] if gpus else None
+    if devices is not None and len(devices) != STAGES[name].gpus:
+        raise SystemExit(f"{name} takes {STAGES[name].gpus} GPUs, not {gpus}")
+    return name, devices, dict(e.split("=", 1) for e in env)
+
+
+def stage_command(name: str, out: Path, slot: int, limit_s: float) -> list[str]:
+    """torchrun of the stage's script; `slot`: its place in its group (its own port and random
+    checkpoint folder: stages at the same time never write one checkpoint together, stages one
+    after another reuse it)."""
+    s = STAGES[name]
+    extra = [] if s.script == "bench_fused_op.py" else ["--ckpt-dir", f"/tmp/arfusion-matrix-ckpt{slot}"]
+    if s.script == "bench_hf_decode.py":  # no phase or variant starts after this: the stage ends with its results
+        extra += ["--budget-s", str(int(limit_s - 90))]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(s.gpus), "--master-port",
+            str(29500 + 11 * slot), str(HERE / s.script), *s.args.split(), *extra, "--out", str(out)]
+
+
+def stage_env(devices: list[int] | None, extra: dict) -> dict:
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    wheel = extra.pop("TRANSFORMERS_WHEEL", None)
+    if wheel:  # that transformers, installed apart, ahead of the machine's
+        target = Path("/tmp") / f"transformers-{Path(wheel).stem}"
+        if not target.exists():
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
+                            str(target), wheel], check=True)
+        env["PYTHONPATH"] = f"{target}:{env.get('PYTHONPATH', '')}"
+    env.update(extra)
+    return env
+
+
+def run(groups: list[str], out: Path, deadline_s: float) -> int:
+    start, failed = time.time(), 0
+    for group in groups:
+        specs = [parse_spec(s) for s in group.split("+")]
+        left = deadline_s - (time.time() - start)
+        procs = []
+        for i, (name, devices, extra) in enumerate(specs):
+            limit = min(STAGES[name].limit_s, left - 5)
+            if limit < 60:
+                print(f"=== {name} skipped: {left:.0f} s left before the deadline", flush=True)
+                continue
+            folder = out / name
+            folder.mkdir(parents=True, exist_ok=True)
+            env = stage_env(devices, dict(extra))
+            cmd = ["timeout", "-k", "10", str(int(limit))] + stage_command(name, folder, i, limit)
+            print(f"=== {name} on GPUs {devices or 'first'} (limit {limit:.0f} s) {extra or ''}: {' '.join(cmd[4:])}",
+                  flush=True)
+            log = open(folder / "log.txt", "w")
+            procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.time()))
+        for name, proc, log, t0 in procs:
+            rc = proc.wait()
+            log.close()
+            failed += rc != 0
+            tail = (out / name / "log.txt").read_text(errors="replace").splitlines()[-25:]
+            print(f"=== {name} rc={rc} after {time.time() - t0:.0f} s\n" + "\n".join(tail), flush=True)
+    return failed
+
+
+# ----------------------------------------------------------------- report
+
+
+def machine_key(meta: dict, date: str) -> str:
+    device = re.sub(r"[^a-z0-9]+", "", (meta.get("device") or "cpu").lower().replace("nvidia", ""))
+    return f"{device}_{date}"
+
+
+def speed(off: float, on: float, higher_is_better: bool = False) -> float:
+    return round(on / off if higher_is_better else off / on, 4)
+
+
+def rows_from(path: Path) -> list[dict]:
+    data = json.loads(path.read_text())
+    meta = data.get("meta", {})
+    versions = {k: meta.get(k) for k in ("torch", "transformers", "flashinfer") if meta.get(k)}
+    common = {"device": meta.get("device"), "date": (meta.get("date") or time.strftime("%Y-%m-%d", time.localtime(
+        path.stat().st_mtime)))[:10], "versions": versions, "source": path.name}
+    out = []
+    if path.name.startswith("bench_") and "rows" in data:  # bench_fused_op.py: us per call
+        quant = "quant" in path.name
+        for r in data["rows"]:
+            if "b_us" not in r:
+                continue
+            # off: NCCL in place + the compiled norm (what an unfused model runs; Inductor alone is slower);
+            # where the site is left unfused, Inductor's graph without and with the pass ("ur", "br").
+            off, on = ("ur_us", "br_us") if "br_us" in r else ("a0_us", "b_us")
+            out.append({**common, "path": "site", "model": f"hidden {r['hidden']}", "tp": r["world"],
+                        "case": f"T={r['tokens']}" + (f" {r.get('quant')}" if quant else ""), "unit": "us per call",
+                        "off": round(r[off], 2), "on": round(r[on], 2), "speed": speed(r[off], r[on]),
+                        "note": r.get("b_path", "") + (" (off: Inductor alone)" if off == "ur_us" else "")})
+    elif path.name.startswith("decode_"):
+        model = f"{meta['model_type']} {meta['layers']}L h{meta['hidden']}"
+        tp, phases = meta["world"], data["phases"]
+        for r in phases.get("decode", {}).get("rows", []):
+            row = {**common, "path": "decode step (CUDA graph)", "model": model, "tp": tp, "case": f"batch {r['batch']}",
+                   "unit": "ms per step", "off": r["off_ms"], "on": r["on_ms"], "speed": speed(r["off_ms"], r["on_ms"])}
+            if "floor_ms" in r:
+                row.update(floor=r["floor_ms"], comm_removed_pct=r["comm_removed_pct"])
+            out.append(row)
+        for r in phases.get("prefill", {}).get("rows", []):
+            out.append({**common, "path": "prefill", "model": model, "tp": tp, "case": f"{r['tokens']} tokens",
+                        "unit": "ms", "off": r["off_ms"], "on": r["on_ms"], "speed": speed(r["off_ms"], r["on_ms"])})
+            if "quantized_ms" in r:
+                out.append({**common, "path": "prefill, quantized all-reduce", "model": model, "tp": tp,
+                            "case": f"{r['tokens']} tokens", "unit": "ms", "off": r["off_ms"], "on": r["quantized_ms"],
+                            "speed": speed(r["off_ms"], r["quantized_ms"])})
+        for kind in ("generate", "loop"):
+            for label, v in phases.get(kind, {}).get("variants", {}).items():
+                if "error" in v or not v.get("on_speedup"):
+                    continue
+                s = v["on_speedup"]
+                out.append({**common, "path": "HF generate()" if kind == "generate" else "reduce-overhead loop",
+                            "model": model, "tp": tp, "case": label.replace("_b", ", batch "), "unit": "ms per token",
+                            "off": v["off"]["ms_per_token"], "on": v["on"]["ms_per_token"], "speed": s["median"],
+                            "spread": [s["min"], s["max"]], "pairs": s["n"], "excluded_pairs": v["excluded_pairs"],
+                            "gpu_busy_fraction": [v[c].get("gpu_busy_fraction") for c in ("off", "on")]})
+    elif path.name.startswith("serving_"):
+        model = f"{meta['model_type']} {meta['layers']}L h{meta['hidden']}"
+        for requests, r in data.get("mixes", {}).items():
+            if "off" not in r or "on" not in r:
+                continue
+            for key, unit, higher in (("tokens_per_s", "tokens/s", True), ("itl_ms", "ms inter-token", False),
+                                      ("ttft_ms", "ms to first token", False)):
+                out.append({**common, "path": "generate_batch", "model": model, "tp": meta["world"],
+                            "case": f"{requests} requests, {unit}", "unit": unit, "off": round(r["off"][key], 3),
+                            "on": round(r["on"][key], 3), "speed": speed(r["off"][key], r["on"][key], higher)})
+    for row in out:
+        row["machine"] = machine_key(meta, common["date"])
+        if meta.get("fake_world") or meta.get("shared_gpu"):  # collectives that compute nothing, or ranks taking turns
+            row["path"] += " (fake world)" if meta.get("fake_world") else " (two ranks on one GPU)"
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| path | model | TP | case | unit | off | on | floor | on/off speed | spread | note |",
+             "|---|---|---:|---|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        spread = f"{r['spread'][0]:.3f}–{r['spread'][1]:.3f} ({r['pairs']} pairs)" if "spread" in r else ""
+        note = r.get("note", "")
+        if r.get("comm_removed_pct") is not None:
+            note = f"removes {r['comm_removed_pct']:.0f}% of the all-reduces' time"
+        flag = "" if r["speed"] >= BAR else " **below 0.98**"
+        lines.append(f"| {r['path']} | {r['model']} | {r['tp']} | {r['case']} | {r['unit']} | {r['off']:g} | {r['on']:g} "
+                     f"| {r.get('floor', '')} | {r['speed']:.3f}×{flag} | {spread} | {note} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], title: str, png: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 0.28 * len(rows) + 1.6))
+    ys = list(range(len(rows)))[::-1]
+    colors = {"site": "tab:blue", "decode step (CUDA graph)": "tab:green", "prefill": "tab:olive",
+              "prefill, quantized all-reduce": "tab:brown", "HF generate()": "tab:purple",
+              "reduce-overhead loop": "tab:pink", "generate_batch": "tab:orange"}
+    for y, r in zip(ys, rows):
+        lo, hi = r.get("spread", (r["speed"], r["speed"]))
+        ax.barh(y, r["speed"] - 1, left=1, color=colors.get(r["path"], "tab:gray"), alpha=0.8)
+        if "spread" in r:
+            ax.errorbar(r["speed"], y, xerr=[[r["speed"] - lo], [hi - r["speed"]]], color="black", capsize=2, lw=0.8)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.axvline(BAR, color="red", lw=0.8, ls=":", label="0.98: never slower")
+    ax.set_yticks(ys, [f"{r['path']}, TP={r['tp']}, {r['model']}, {r['case']}" for r in rows], fontsize=7)
+    ax.set(xlabel="on / off speed (> 1: faster with arfusion)", title=title)
+    ax.legend(fontsize=7, loc="lower right")
+    save_figure(fig, str(png))
+
+
+def report(folders: list[str], out: Path, name: str | None = None) -> list[Path]:
+    """Rows of every result under `folders`, one set of files per machine (device and date, or
+    `name` for all of them: the folders of one device session are one machine)."""
+    rows = []
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.json")):
+            if path.name.startswith(("bench_", "decode_", "serving_")):
+                rows += rows_from(path)
+    if not rows:
+        raise SystemExit(f"no results in {folders}")
+    for row in rows:
+        row["machine"] = name or row["machine"]
+    written = []
+    for machine in sorted({r["machine"] for r in rows}):
+        mine = [r for r in rows if r["machine"] == machine]
+        devices = sorted({r["device"] for r in mine})
+        title = f"{', '.join(devices)}, {mine[0]['date']}"
+        base = out / f"matrix_{machine}"
+        save_json(f"{base}.json", {"machine": machine, "devices": devices, "bar": BAR, "rows": mine})
+        Path(f"{base}.md").write_text(f"{title}\n\n{table(mine)}\n")
+        plot(mine, title, Path(f"{base}.png"))
+        written += [Path(f"{base}.{ext}") for ext in ("json", "md", "png")]
+        slower = [r for r in mine if r["speed"] < BAR]
+        print(f"{machine}: {len(mine)} rows, {len(slower)} below {BAR}" + "".join(
+            f"\n  below: {r['path']} TP={r['tp']} {r['case']} {r['speed']:.3f}" for r in slower))
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("plan", help="list the stages")
+    r = sub.add_parser("run", help="run stage groups in order")
+    r.add_argument("groups", nargs="+", help="STAGE[@GPUS][:VAR=VALUE...], joined by + to run at the same time")
+    r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results")) / "matrix")
+    r.add_argument("--deadline", type=float, default=560, help="seconds for every group together")
+    rep = sub.add_parser("report", help="JSON, table and plot per machine")
+    rep.add_argument("folders", nargs="+")
+    rep.add_argument("--out", type=Path, default=Path("docs/data/matrix"))
+    rep.add_argument("--name", help="the machine's name in the file names (default: device and date)")
+    args = p.parse_args(argv)
+    if args.cmd == "plan":
+        print(plan())
+        return 0
+    if args.cmd == "run":
+        return run(args.groups, args.out, args.deadline)
+    report(args.folders, args.out, args.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""benchmarks/matrix.py: the stages it knows, how a run spreads them over GPUs, and its report
+(one row per measurement, the 0.98 bar, a table and a plot per machine) from result files."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import matrix  # noqa: E402
+
+sys.path.remove(str(BENCH))
+
+
+def test_stage_specs_and_commands():
+    name, gpus, env = matrix.parse_spec("generate2@2,3:TRANSFORMERS_WHEEL=w.whl:X=1")
+    assert (name, gpus, env) == ("generate2", [2, 3], {"TRANSFORMERS_WHEEL": "w.whl", "X": "1"})
+    with pytest.raises(SystemExit, match="takes 4 GPUs"):
+        matrix.parse_spec("decode4@0,1")
+    with pytest.raises(SystemExit, match="unknown stage"):
+        matrix.parse_spec("nothing2")
+    cmd = matrix.stage_command("decode2", Path("/o"), 1, 400)
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--master-port") + 1] == "29511"
+    assert "--floor" in cmd and cmd[cmd.index("--ckpt-dir") + 1] == "/tmp/arfusion-matrix-ckpt1"
+    assert cmd[cmd.index("--budget-s") + 1] == "310" and cmd[-2:] == ["--out", "/o"]
+    assert "--ckpt-dir" not in matrix.stage_command("site2", Path("/o"), 0, 200)
+    env = matrix.stage_env([2, 3], {})
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert "decode2" in matrix.plan() and "generate4" in matrix.plan()
+
+
+def write(folder: Path, name: str, obj: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(json.dumps(obj))
+
+
+META = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-27 22:00", "torch": "2.11.0", "transformers": "5.24.0",
+        "model_type": "llama", "layers": 32, "hidden": 4096, "world": 2}
+
+
+def test_report_rows_bar_table_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    write(tmp_path / "site2", "bench_w2.json", {"meta": {**META}, "rows": [
+        {"world": 2, "hidden": 4096, "tokens": 1, "a0_us": 10.0, "b_us": 5.0, "b_path": "fused one-shot"},
+        {"world": 2, "hidden": 4096, "tokens": 8192, "a0_us": 300.0, "b_us": 330.0, "ur_us": 330.0, "br_us": 329.0,
+         "b_path": "unfused"}]})
+    variant = {"off": {"ms_per_token": 11.0, "gpu_busy_fraction": 0.4}, "on": {"ms_per_token": 11.5},
+               "on_speedup": {"median": 0.957, "min": 0.9, "max": 1.01, "n": 8}, "excluded_pairs": 1}
+    write(tmp_path / "decode2", "decode_llama_w2_decode.json", {"meta": META, "phases": {
+        "decode": {"rows": [{"batch": 1, "off_ms": 5.0, "on_ms": 4.0, "floor_ms": 3.5, "comm_removed_pct": 66.7}]},
+        "generate": {"variants": {"greedy_b1": variant, "sample_b8": {"error": "boom"}}}}})
+    written = matrix.report([str(tmp_path)], tmp_path / "out", "h100x4_test")
+    assert sorted(p.name for p in written) == ["matrix_h100x4_test.json", "matrix_h100x4_test.md",
+                                               "matrix_h100x4_test.png"]
+    rows = json.loads((tmp_path / "out" / "matrix_h100x4_test.json").read_text())["rows"]
+    by_path = {(r["path"], r["case"]): r for r in rows}
+    assert by_path[("site", "T=1")]["speed"] == 2.0 and by_path[("site", "T=1")]["off"] == 10.0
+    # Left unfused: Inductor's graph without and with the pass, not the harness's NCCL call.
+    assert by_path[("site", "T=8192")]["off"] == 330.0 and by_path[("site", "T=8192")]["speed"] == pytest.approx(1.003, abs=1e-3)
+    step = by_path[("decode step (CUDA graph)", "batch 1")]
+    assert step["speed"] == 1.25 and step["floor"] == 3.5 and step["comm_removed_pct"] == 66.7
+    gen = by_path[("HF generate()", "greedy, batch 1")]
+    assert gen["speed"] == 0.957 and gen["spread"] == [0.9, 1.01] and gen["pairs"] == 8
+    assert not [r for r in rows if "sample" in r["case"]]  # a failed variant makes no row
+    assert {r["date"] for r in rows} == {"2026-11-27"} and rows[0]["versions"]["transformers"] == "5.24.0"
+    md = (tmp_path / "out" / "matrix_h100x4_test.md").read_text()
+    assert "0.957× **below 0.98**" in md and "removes 67% of the all-reduces' time" in md
+    assert (tmp_path / "out" / "matrix_h100x4_test.png").stat().st_size > 10_000
