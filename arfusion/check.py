@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
-import logging
 import math
 import os
 import sys
@@ -349,10 +348,6 @@ def verdict(model_type: str, reports: list[tuple[int, FusionReport]]) -> str:
 def main(args) -> int:
     """`arfusion check` (argparse namespace: model, tp, tokens, quant, json, quiet)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model type or a local directory: nothing to fetch
-    # transformers imports torchao whenever it is installed (a test dependency). On a CPU build of
-    # torch, torchao cannot load its CUDA extensions and logs "Failed to load ..." as a warning.
-    # That is torchao's, not arfusion's, and the check uses nothing of torchao: show its errors only.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
         if not tokens or min(tokens) < 1:

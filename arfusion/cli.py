@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import check, tuning
+from .noise import quiet_known_noise
 from .backends import flashinfer_dispatch as dispatch
 from .backends import get_backend
 from .decisions import Reason
@@ -76,6 +77,7 @@ def _table(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_known_noise()  # third-party log lines no user can act on (arfusion/noise.py says whose)
     parser = argparse.ArgumentParser(prog="arfusion", description="arfusion utilities")
     sub = parser.add_subparsers(dest="command", required=True)
     tune = sub.add_parser("tune", help="measure fused vs unfused on this machine (under torchrun)")

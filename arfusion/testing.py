@@ -41,6 +41,7 @@ from . import graph_only
 from .config import PassConfig
 from .decisions import Fate
 from .fusion_pass import inductor_options
+from .hf.continuous_batching import cb_config as hf_cb_config
 from .stats import decisions as pass_decisions
 from .stats import stats as pass_stats
 
@@ -367,24 +368,21 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 8, *, 
                    max_batch_tokens: int | None = 64, record_timestamps: bool = False, persistent: bool = False,
                    **cb_options) -> BatchRun:
     """Greedy `model.generate_batch(prompts)` through transformers' continuous batching, with its
-    varlen and decode paths compiled with the pass under `config` (None: plain Inductor, or the
-    pass `arfusion.enable` installed; `compiled=False`: eager) and its own CUDA graphs if
-    `cuda_graphs`. The cache is sized by `num_blocks` and `max_batch_tokens` (None: transformers
+    varlen path (and its decode path, where transformers has one: `arfusion.hf.continuous_batching`)
+    compiled with the pass under `config` (None: plain Inductor, or the pass `arfusion.enable`
+    installed; `compiled=False`: eager) and its own CUDA graphs if `cuda_graphs`. The cache is sized by `num_blocks` and `max_batch_tokens` (None: transformers
     sizes it from free memory, most of it by default); `cb_options` go to `ContinuousBatchingConfig`;
     `record_timestamps` keeps each token's time in the outputs; `persistent` keeps transformers'
     manager (its compiled paths, CUDA graphs and cache) for the next call, which then reuses it
     (`model.destroy_cached_continuous_batching_manager()` ends it). Call
     `arfusion.hf.prepare_for_compile(model)` first, as for any compile."""
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import CompileConfig, ContinuousBatchingConfig
+    from transformers.generation.configuration_utils import CompileConfig
 
-    paths = {}
-    if compiled:
-        options = inductor_options(config) if config is not None else {}
-        paths = {f"{path}_compile_config": CompileConfig(mode=None, options=options, fullgraph=False)
-                 for path in ("varlen", "decode")}
-    cb_config = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
-                                         use_cuda_graph=cuda_graphs, return_logprobs=True, **paths, **cb_options)
+    options = inductor_options(config) if config is not None else {}
+    compile_config = CompileConfig(mode=None, options=options, fullgraph=False) if compiled else None
+    cb_config = hf_cb_config(model, compile_config, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,
+                             use_cuda_graph=cuda_graphs, return_logprobs=True, **cb_options)
     generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     before, seen = pass_stats(), {d["graph"] for d in pass_decisions()}
     started = time.perf_counter()

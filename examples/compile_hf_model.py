@@ -7,7 +7,8 @@ Builds a small model from a config (random weights, nothing downloaded), loads i
 gloo on CPU, NCCL on CUDA), compiles it with the fusion pass and prints what was fused, which
 backend ran, the logits' difference to the uncompiled model, 16 greedy tokens from both and a
 verdict on them. Random weights make near ties between the two best logits, and rounding noise
-flips them: the verdict accepts a first difference only at such a tie (`judge_tokens`). The last
+flips them: the verdict accepts a first difference only at such a tie (`judge_tokens`). Tokens
+are counted from 1 (the first generated token is token 1), in the text and in the JSON. The last
 line is a JSON summary (used by the tests).
 """
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import shutil
@@ -28,15 +28,15 @@ import torch.distributed as dist
 import arfusion
 from arfusion.check import add_activation_quant  # FP8 activation quant after each norm, as `arfusion check --quant`
 from arfusion.hf import prepare_for_compile, tp_kwargs
+from arfusion.noise import quiet_known_noise
+from arfusion.stats import decisions
+from arfusion.testing import FusionReport, rows_from
+
+quiet_known_noise()  # torchao's and torch's log lines no user can act on: arfusion/noise.py names each
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 TIE_ULPS = 4
-
-# transformers imports torchao whenever it is installed (a test dependency). On a CPU build of
-# torch, torchao cannot load its CUDA extensions and logs "Failed to load ..." as a warning.
-# That is torchao's, not arfusion's, and this example uses nothing of torchao: show its errors only.
-logging.getLogger("torchao").setLevel(logging.ERROR)
 
 
 def tiny_config(model_type: str, layers: int, hidden: int, tp: int):
@@ -83,10 +83,11 @@ def judge_tokens(tokens: list[int], ref: list[int], ref_logits: list[tuple[float
     """Where the compiled model's tokens first depart from the uncompiled model's, and whether
     that step is a near tie. A near tie is as in `arfusion.testing.greedy_departures` (its check
     of continuous-batching runs): the uncompiled model's two best logits lie within 4 ulp, in the
-    model's dtype, of its largest logit. fp32 allows no departure."""
+    model's dtype, of its largest logit. fp32 allows no departure. `tokens_verdict` is "match",
+    "near_tie" (accepted) or "mismatch"; `first_different_token` counts from 1."""
     at = next((i for i, (a, b) in enumerate(zip(tokens, ref)) if a != b), None)
     if at is None:
-        return {"tokens_verdict": "match", "first_departure": None, "near_tie": None,
+        return {"tokens_verdict": "match", "first_different_token": None,
                 "line": f"verdict: tokens match: all {len(ref)} greedy tokens are the uncompiled model's. "
                         f"What this shows: the compiled model decodes as the uncompiled one."}
     gap, largest = ref_logits[at]
@@ -100,8 +101,8 @@ def judge_tokens(tokens: list[int], ref: list[int], ref_logits: list[tuple[float
             f"uncompiled one up to {NAMES[dtype]} rounding." if near_tie else
             f"verdict: TOKENS DIFFER from token {at + 1} of {len(ref)}. {there} That is no near tie: "
             f"the compiled model decodes differently.")
-    return {"tokens_verdict": "near_tie" if near_tie else "mismatch", "first_departure": at,
-            "near_tie": near_tie, "line": line}
+    return {"tokens_verdict": "near_tie" if near_tie else "mismatch", "first_different_token": at + 1,
+            "line": line}
 
 
 def main() -> None:
@@ -130,6 +131,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     dtype = DTYPES[args.dtype]
     config = tiny_config(args.model_type, args.layers, args.hidden, world)
     path = save_random_model(config, dtype)
@@ -162,14 +164,15 @@ def main() -> None:
         logits = compiled(input_ids=ids, use_cache=False).logits.float()
     compile_s = time.perf_counter() - start
     fused = arfusion.stats()
+    report = FusionReport(rows_from(decisions()), fused)  # the first compile's all-reduces, one row each
     tokens, _ = greedy(compiled, ids, args.steps)
 
     rel_diff = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
     stats = arfusion.stats()
-    say(f"fused sites: {fused['fused_sites']} {fused['by_pattern']}")
-    if fused["unfused_sites"]:
-        say(f"all-reduces left unfused: {fused['unfused_sites']}, why: {fused['why_not']}")
-    say(f"fused-op calls by backend: {stats['dispatch']}")
+    # One graph serves every forward here (the sequence length is dynamic): its all-reduces are one forward's.
+    say(f"the {report.graphs} graph{'s' * (report.graphs != 1)} compiled (one forward): {report.verdict}: "
+        f"{dict(report.forms)}")
+    say(f"fused-op calls by backend, over the {1 + args.steps} compiled forwards: {stats['dispatch']}")
     say(f"max relative logits difference vs uncompiled: {rel_diff:.2e}")
     say(f"greedy tokens, uncompiled: {ref_tokens}")
     say(f"greedy tokens, compiled:   {tokens}")
@@ -177,10 +180,11 @@ def main() -> None:
     say(judged.pop("line"))
     say(f"first compile + run {compile_s:.1f}s")
     say(json.dumps({"model_type": args.model_type, "quant": args.quant, "layers": args.layers, "world": world,
+                    "graphs": report.graphs, "all_reduces": report.all_reduces,
                     "fused_sites": fused["fused_sites"], "by_pattern": fused["by_pattern"],
-                    "unfused_sites": fused["unfused_sites"], "why_not": fused["why_not"],
+                    "unfused_sites": fused["unfused_sites"], "why_not_codes": fused["why_not_codes"],
                     "dispatch": stats["dispatch"], "max_rel_diff": rel_diff,
-                    "tokens_match": tokens == ref_tokens, **judged, "tokens": tokens, "ref_tokens": ref_tokens}))
+                    **judged, "tokens": tokens, "ref_tokens": ref_tokens}))
     arfusion.disable()
     dist.barrier()
     dist.destroy_process_group()

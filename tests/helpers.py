@@ -162,6 +162,12 @@ def _serve(rank, world, port, jobs, results):
     _leave()
 
 
+def stderr_for_a_user(stderr: str) -> list[str]:
+    """The non-blank lines of a run's stderr, torchrun's own lines aside (torch/distributed/run.py:
+    its notice that it sets OMP_NUM_THREADS=1 for its workers, which the README calls harmless)."""
+    return [line for line in stderr.splitlines() if line.strip() and "torch/distributed/run.py:" not in line]
+
+
 def assert_close(actual, expected, dtype, what):
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     err = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()

@@ -1,5 +1,5 @@
-"""transformers' continuous batching (its serving engine: `generate_batch`, `init_continuous_batching`,
-`transformers serve --continuous-batching`) compiled without a graph break per attention call.
+"""transformers' continuous batching (`generate_batch`, `init_continuous_batching`) compiled without
+a graph break per attention call.
 
 transformers 5.19 to 5.24 wrap `PagedAttentionCache.update` in `torch.compiler.disable`: it writes
 the new keys and values into overlapping views of one cache tensor, which compile's functionalization
