@@ -191,6 +191,7 @@ def spread(values: list[float]) -> dict:
 def profile_call(call, n: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    dist.barrier()  # ranks start together: a collective kernel waiting for a late peer is not GPU work
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call(n)
         torch.cuda.synchronize()

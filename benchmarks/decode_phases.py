@@ -146,6 +146,8 @@ def phase_decode(b):
         b.say(f"decode batch {batch}: off {row['off_ms']:.3f} ms, on {row['on_ms']:.3f} ms, "
               f"{row['gain_pct']:+.1f}%{floor} ({row['on_dispatch']})")
         rows.append(row)
+        b.result["phases"]["decode"] = {"rows": rows, "partial": True}  # a run cut short keeps its rows
+        b.save()
     # What the pass did to the graphs timed here (MoE: all-reduces merged or moved).
     stats = arfusion.stats()
     done = {k: v for k, v in stats.items() if k in REWRITE_COUNTS and v}
