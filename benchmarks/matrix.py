@@ -56,7 +56,7 @@ STAGES = {
     **{f"sitequant{n}": Stage(n, 240, "bench_fused_op.py",
                               "--hidden 4096 8192 --tokens 1 8 32 128 512 2048 8192 --quant fp8_static fp8_dynamic fp8_group",
                               "one site + FP8 quant (static, dynamic, per-group)") for n in (2, 4)},
-    **{f"decode{n}": Stage(n, 420, "bench_hf_decode.py", f"{LLAMA_DECODE} --tag decode",
+    **{f"decode{n}": Stage(n, 520, "bench_hf_decode.py", f"{LLAMA_DECODE} --tag decode",
                            "Llama-3-8B decode step in one CUDA graph, batch 1/8/32, with the floor") for n in (2, 4)},
     **{f"generate{n}": Stage(n, 540, "bench_hf_decode.py", f"{GENERATE} --tag generate",
                              "HF generate(), greedy and sampling, batch 1 and 8, 8 interleaved pairs") for n in (2, 4)},
