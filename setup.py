@@ -15,6 +15,8 @@ setup(
     license="Apache-2.0",
     packages=find_packages(include=["arfusion", "arfusion.*"]),
     python_requires=">=3.10",
+    # 2.11 is the oldest torch CI runs (the quick loop; GPU runs used 2.11 too); CI also runs the full
+    # suite on 2.13.0 and the quick loop on PyPI's newest release (.ci/run).
     install_requires=["torch>=2.11"],
     extras_require={
         "hf": ["transformers>=5.0", "accelerate"],
