@@ -76,12 +76,13 @@ class RowParallelThenNorm(nn.Module):
 
 
 class EpsBufferNorm(nn.Module):
-    """An RMSNorm whose eps is a 0-d buffer (`+ self.eps`): `model.to(dtype)` rounds it to the
-    model's dtype, as loading a checkpoint in bf16 does."""
+    """An RMSNorm whose eps is a 0-d buffer (`+ self.eps`), made in fp32 with the weight in `dtype`.
+    `model.to(dtype)` rounds the buffer to the model's dtype, as loading a checkpoint in bf16 does;
+    a model made in its dtype keeps it in fp32."""
 
-    def __init__(self, hidden, eps=1e-6):
+    def __init__(self, hidden, eps=1e-6, dtype=None):
         super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(hidden))
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(hidden, dtype=dtype))
         self.register_buffer("eps", torch.tensor(eps))
 
     def forward(self, h):
@@ -90,12 +91,13 @@ class EpsBufferNorm(nn.Module):
 
 
 class EpsBufferSite(nn.Module):
-    """o_proj -> all_reduce -> + residual -> an RMSNorm with a buffer eps."""
+    """o_proj -> all_reduce -> + residual -> an RMSNorm with a buffer eps (fp32 unless the model is
+    moved to another dtype). tests/gpu/check_fast_all_reduce.py runs it on GPUs, made in bf16."""
 
-    def __init__(self, hidden):
+    def __init__(self, hidden, dtype=None):
         super().__init__()
-        self.proj = nn.Linear(hidden, hidden, bias=False)
-        self.norm = EpsBufferNorm(hidden)
+        self.proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.norm = EpsBufferNorm(hidden, dtype=dtype)
 
     def forward(self, x, residual):
         y = self.proj(x)

@@ -39,12 +39,15 @@ def _decoder(rank):
     assert_close(actual, expected, torch.bfloat16, "decoder output")
 
 
-def _eps_buffer(rank, dtype):
+def _eps_buffer(rank, dtype, eps_dtype):
     from .models import EpsBufferSite
 
     torch.manual_seed(0)
-    model = EpsBufferSite(256).to(dtype)  # the eps buffer becomes a 0-d `dtype` tensor
-    assert model.norm.eps.dtype == dtype
+    if eps_dtype == dtype:
+        model = EpsBufferSite(256).to(dtype)  # the eps buffer becomes a 0-d `dtype` tensor
+    else:
+        model = EpsBufferSite(256, dtype=dtype)  # made in its dtype, as on GPUs: the buffer stays fp32
+    assert model.norm.eps.dtype == eps_dtype and model.norm.weight.dtype == dtype
     torch.manual_seed(100 + rank)
     inputs = (torch.randn(2, 5, 256, dtype=dtype), torch.randn(2, 5, 256, dtype=dtype))
     (a_norm, a_sum), (e_norm, e_sum), stats = compiled_vs_eager(model, inputs)
@@ -205,11 +208,14 @@ def test_decoder_matches_uncompiled():
     run_workers(_decoder, 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_eps_buffer_in_the_model_dtype_fuses(dtype):
-    """The same verdict as on a GPU: a bf16 buffer eps is still eps (the probe compares with the
-    value its dtype holds)."""
-    run_workers(_eps_buffer, 2, dtype)
+@pytest.mark.parametrize("dtype, eps_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.float32), (torch.float16, torch.float32)],
+                         ids=["bf16", "fp32", "bf16-model-fp32-eps", "fp16-model-fp32-eps"])
+def test_an_eps_buffer_fuses_in_its_own_dtype(dtype, eps_dtype):
+    """The same verdict as on a GPU, where tests/gpu/check_fast_all_reduce.py fuses this site made
+    in bf16 (an fp32 eps buffer, 2026-11-25/26): an eps buffer in the model's dtype (the probe
+    compares with the value its dtype holds) or in fp32 in a bf16 or fp16 model is still eps."""
+    run_workers(_eps_buffer, 2, dtype, eps_dtype)
 
 
 def test_op_outputs_land_where_named():

@@ -15,6 +15,7 @@ one GPU per rank. Writes DIR/fast_all_reduce.json (one entry per rank).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shared_gpu  # noqa: E402
@@ -30,30 +30,14 @@ import shared_gpu  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import arfusion  # noqa: E402
-from tests.models import HyperConnections, LayerNormBlock  # noqa: E402
+from tests.models import EpsBufferSite, HyperConnections, LayerNormBlock  # noqa: E402
 
 HIDDEN = 1024
 
-
-class EpsBufferSite(nn.Module):
-    """o_proj -> all-reduce -> + residual -> RMSNorm with eps held as a 0-d buffer."""
-
-    def __init__(self, hidden, dtype=torch.bfloat16):
-        super().__init__()
-        self.proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(hidden, dtype=dtype))
-        self.register_buffer("eps", torch.tensor(1e-6))
-
-    def forward(self, x, residual):
-        y = self.proj(x)
-        dist.all_reduce(y)
-        h = residual + y
-        hf = h.float()
-        return self.weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)).to(h.dtype), h
-
-
+# The eps-buffer site made in bf16: its eps a 0-d fp32 buffer (tests/test_numerics_gloo.py runs the
+# same class on CPU, where it fuses too).
 MODELS = {"layernorm": (LayerNormBlock, None), "hyper_connections": (HyperConnections, 4),
-          "eps_buffer": (EpsBufferSite, None)}
+          "eps_buffer": (functools.partial(EpsBufferSite, dtype=torch.bfloat16), None)}
 
 
 def rel_err(got, want) -> float:
