@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import pyplot, save_figure, save_json  # noqa: E402
+from common import pyplot, save_json  # noqa: E402
 
 BAR = 0.98  # "never slower": on/off speed at or above this, beyond its spread
 
@@ -218,22 +218,28 @@ def rows_from(path: Path) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| path | model | TP | case | unit | off | on | floor | on/off speed | spread | note |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|---|---|"]
+    lines = ["| path | model | TP | case | transformers | unit | off | on | floor | on/off speed | spread | note |",
+             "|---|---|---:|---|---|---|---:|---:|---:|---:|---|---|"]
     for r in rows:
         spread = f"{r['spread'][0]:.3f}–{r['spread'][1]:.3f} ({r['pairs']} pairs)" if "spread" in r else ""
         note = r.get("note", "")
+        if r.get("gpu_busy_fraction"):
+            # A fraction outside 0..1 is a profile spoiled by rank skew (a collective waiting for its peer).
+            note = "GPU busy " + " / ".join(f"{100 * f:.0f}%" if f is not None and 0 <= f <= 1 else "?"
+                                            for f in r["gpu_busy_fraction"])
+            note += f" (off / on); {r['excluded_pairs']} pairs excluded" if r.get("excluded_pairs") else " (off / on)"
         if r.get("comm_removed_pct") is not None:
             note = f"removes {r['comm_removed_pct']:.0f}% of the all-reduces' time"
         flag = "" if r["speed"] >= BAR else " **below 0.98**"
-        lines.append(f"| {r['path']} | {r['model']} | {r['tp']} | {r['case']} | {r['unit']} | {r['off']:g} | {r['on']:g} "
-                     f"| {r.get('floor', '')} | {r['speed']:.3f}×{flag} | {spread} | {note} |")
+        lines.append(f"| {r['path']} | {r['model']} | {r['tp']} | {r['case']} | {r['versions'].get('transformers', '')} "
+                     f"| {r['unit']} | {r['off']:.4g} | {r['on']:.4g} "
+                     f"| {format(r['floor'], '.4g') if 'floor' in r else ''} | {r['speed']:.3f}×{flag} | {spread} | {note} |")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], title: str, png: Path) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 0.28 * len(rows) + 1.6))
+    fig, ax = plt.subplots(figsize=(12, 0.3 * len(rows) + 1.8))
     ys = list(range(len(rows)))[::-1]
     colors = {"site": "tab:blue", "decode step (CUDA graph)": "tab:green", "prefill": "tab:olive",
               "prefill, quantized all-reduce": "tab:brown", "HF generate()": "tab:purple",
@@ -245,10 +251,12 @@ def plot(rows: list[dict], title: str, png: Path) -> None:
             ax.errorbar(r["speed"], y, xerr=[[r["speed"] - lo], [hi - r["speed"]]], color="black", capsize=2, lw=0.8)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.axvline(BAR, color="red", lw=0.8, ls=":", label="0.98: never slower")
-    ax.set_yticks(ys, [f"{r['path']}, TP={r['tp']}, {r['model']}, {r['case']}" for r in rows], fontsize=7)
+    ax.set_yticks(ys, [f"{r['path']}, TP={r['tp']}, {r['model']}, {r['case']}"
+                       + (f", tf {r['versions']['transformers']}" if "transformers" in r["versions"] else "")
+                       for r in rows], fontsize=7)
     ax.set(xlabel="on / off speed (> 1: faster with arfusion)", title=title)
     ax.legend(fontsize=7, loc="lower right")
-    save_figure(fig, str(png))
+    fig.savefig(str(png), dpi=110, bbox_inches="tight")  # the long row labels kept whole
 
 
 def report(folders: list[str], out: Path, name: str | None = None) -> list[Path]:
