@@ -143,14 +143,10 @@ for s in "$@"; do
     soak2) stage soak2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/soak.py --calls ${SOAK_CALLS:-10000} \
       --budget-s ${SOAK_BUDGET_S:-$(( (${LIMIT:-300} - 40) / 2 - 15 ))} --out "$OUT/soak" ;;
     loop2) stage loop2 "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
-    loop2r) stage loop2r "${LIMIT:-300}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
-      --tag loop_on_first --out "$OUT" ;;
     startloop2)  # the phase order of the TP=4 run whose loop was slower with the pass, at TP=2
       stage startloop2 "${LIMIT:-420}" $TORCHRUN 2 benchmarks/bench_hf_decode.py --phases startup loop --tag startloop \
       --budget-s 380 --out "$OUT" ;;
     loop4) stage loop4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
-    loop4r) stage loop4r "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --loop-order on off \
-      --tag loop_on_first --out "$OUT" ;;
     # Every GPU check at once through pytest (tests/gpu: what this machine cannot run is skipped with the
     # reason); JSON and logs under $OUT/gpu. GPU_K picks checks by name, e.g. GPU_K=shared_gpu.
     gpu) ARFUSION_GPU_OUT="$OUT/gpu" stage gpu "${LIMIT:-580}" python -m pytest tests/gpu -s ${GPU_K:+-k "$GPU_K"} ;;
