@@ -205,15 +205,17 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
     long_n, short_n = max(b.args.lengths), min(b.args.lengths)
     counters = torch._dynamo.utils.counters
     names = list(runners)
-    out = {name: {"first_call_s": {}} for name in names}
+    out = {name: {"first_call_s": {}, "dispatch": collections.Counter()} for name in names}
 
     def one(name: str, n: int) -> dict:
-        graphs, fused = counters["stats"]["unique_graphs"], arfusion.stats()["fused_sites"]
+        before = arfusion.stats()
+        graphs = counters["stats"]["unique_graphs"]
         tally = {}
         with runners[name].active(), cudagraph_tree_work(tally):
             ms = wall_ms(lambda: calls[name](n), b.device)
+        out[name]["dispatch"].update(dispatch_since(before))  # what the fused op ran in this config's calls
         return {"ms": ms, "graphs": counters["stats"]["unique_graphs"] - graphs, "work": tally,
-                "fused_sites": arfusion.stats()["fused_sites"] - fused}
+                "fused_sites": arfusion.stats()["fused_sites"] - before["fused_sites"]}
 
     dist.barrier()
     for name in names:  # compile and record, longest first
@@ -222,7 +224,7 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
             first = one(name, n)
             out[name]["first_call_s"][str(n)] = round(first["ms"] / 1e3, 2)
             fused = max(fused, first["fused_sites"])
-        out[name]["fused_sites"] = fused  # in the graph its calls compiled (one step of the model)
+        out[name]["fused_sites"] = fused  # in the graph its first calls compiled (0: graphs of an earlier variant)
         progress.update(f"{name} first calls {sum(out[name]['first_call_s'].values()):.1f} s")
     pairs, valid = [], []
     while len(valid) < b.args.pairs and len(pairs) < 2 * b.args.pairs:
@@ -253,6 +255,7 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
                 excluded[f"{n}: CUDA graphs recorded again or eager warm-up"] += 1
     for name in names:
         row = out[name]
+        row["dispatch"] = dict(row["dispatch"])
         per_token = [p[name]["ms_per_token"] for p in valid]
         row["ms_per_token"] = round(statistics.median(per_token), 4) if per_token else None
         row["ms_per_token_spread"] = spread(per_token)
