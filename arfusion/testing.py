@@ -370,8 +370,9 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int = 8, *, 
     """Greedy `model.generate_batch(prompts)` through transformers' continuous batching, with its
     varlen path (and its decode path, where transformers has one: `arfusion.hf.continuous_batching`)
     compiled with the pass under `config` (None: plain Inductor, or the pass `arfusion.enable`
-    installed; `compiled=False`: eager) and its own CUDA graphs if `cuda_graphs`. The cache is sized by `num_blocks` and `max_batch_tokens` (None: transformers
-    sizes it from free memory, most of it by default); `cb_options` go to `ContinuousBatchingConfig`;
+    installed; `compiled=False`: eager) and its own CUDA graphs if `cuda_graphs`. The cache is
+    sized by `num_blocks` and `max_batch_tokens` (None: transformers sizes it from free memory,
+    most of it by default); `cb_options` go to `ContinuousBatchingConfig`;
     `record_timestamps` keeps each token's time in the outputs; `persistent` keeps transformers'
     manager (its compiled paths, CUDA graphs and cache) for the next call, which then reuses it
     (`model.destroy_cached_continuous_batching_manager()` ends it). Call
