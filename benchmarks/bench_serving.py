@@ -113,7 +113,7 @@ def load(args, device):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-type", default="llama", choices=["llama", "qwen3", "qwen3_moe"])
+    p.add_argument("--model-type", default="llama", choices=["llama", "llama70b", "qwen3", "qwen3_moe"])
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the preset's)")
     p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 512 (correctness runs)")
     p.add_argument("--mixes", default="1,16,64", help="concurrent requests per call, comma-separated")

@@ -20,10 +20,14 @@ import arfusion
 from arfusion.hf import prepare_for_compile, tp_kwargs
 from common import floor_options, save_json, sync
 
-# Real models' shapes (random weights): Llama-3-8B, Qwen3-8B, Gemma-7B, Qwen3-30B-A3B, DeepSeek-V2-Lite.
+# Real models' shapes (random weights): Llama-3-8B, Llama-3-70B, Qwen3-8B, Gemma-7B, Qwen3-30B-A3B,
+# DeepSeek-V2-Lite. A preset is named by its model type unless MODEL_TYPES says otherwise.
 PRESETS = {
     "llama": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+    # 80 layers are 141 GB of bf16 weights to write and load: --layers picks how many a run holds.
+    "llama70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                     intermediate_size=28672, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
     "qwen3": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=12288, vocab_size=151936, head_dim=128, max_position_embeddings=8192),
     "gemma": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16,
@@ -45,6 +49,7 @@ TINY_MOE = {
                         first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
                         qk_rope_head_dim=16, v_head_dim=32),
 }
+MODEL_TYPES = {"llama70b": "llama"}
 CONFIGS = ("off", "on")
 
 
@@ -66,7 +71,7 @@ def model_config(args, world: int):
             shape["num_hidden_layers"] = args.layers
     if args.rank_of > 1:
         shape = one_rank_shape(shape, args.rank_of)
-    return AutoConfig.for_model(args.model_type, tie_word_embeddings=False, **shape)
+    return AutoConfig.for_model(MODEL_TYPES.get(args.model_type, args.model_type), tie_word_embeddings=False, **shape)
 
 
 # What one rank of TP=N holds of each sharded width (transformers' TP plans: attention heads,

@@ -9,7 +9,9 @@ the GPUs after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU 
 set variables after ":" (generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl
 runs it with that transformers, installed apart). Each stage runs under its own limit, cut to what
 is left of --deadline, and writes its JSON and log under --out/STAGE. Off and on always run in one
-process (or, for serving, in one stage), so every ratio comes from one machine.
+process (or, for serving, in one stage), so every ratio comes from one machine. A decode stage
+compiles six graphs (off, on, floor; batch 1 and the dynamic batch): beside another stage's
+compiles it did not finish in 465 s on 4×H100 (2026-11-27), so give it the host alone.
 
 `report` reads every result JSON under the folders given (bench_fused_op.py's bench_*_w*.json,
 bench_hf_decode.py's decode_*.json, bench_serving.py's serving_*.json), groups them by machine
@@ -64,6 +66,9 @@ STAGES = {
                             "prefill 512/2048/8192, with and without the quantized all-reduce") for n in (2, 4)},
     **{f"serve{n}": Stage(n, 560, "bench_serving.py", "--mixes 1,16,64 --repeats 2",
                           "generate_batch at 1/16/64 requests: TTFT, ITL, tokens/s") for n in (2, 4)},
+    "decode4_70b": Stage(4, 560, "bench_hf_decode.py", "--model-type llama70b --layers 20 --phases decode --floor "
+                         "--batches 1 8 32 --replays 100 --tag decode70b",
+                         "Llama-3-70B shape (20 of 80 layers: 35 GB of weights to write and load) decode step, with the floor"),
     "moe2": Stage(2, 420, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --phases decode kernels --floor "
                   "--batches 1 8 --tag moe", "Qwen3-30B-A3B shape decode step, 24 of 48 layers, with the floor"),
 }

@@ -338,3 +338,19 @@ def test_rank_of_builds_one_ranks_share_of_the_tp_model():
     assert (dsv2["n_routed_experts"], dsv2["kv_lora_rank"], dsv2["hidden_size"]) == (64, 512, 2048)
     with pytest.raises(SystemExit, match="does not split"):
         bench.one_rank_shape(bench.PRESETS["llama"], 3)
+
+
+def test_llama_70b_preset_is_a_llama_of_that_shape():
+    """--model-type llama70b: Llama-3-70B's widths as a Llama config, --layers of its 80."""
+    import types
+
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import decode_model
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    args = types.SimpleNamespace(tiny=False, model_type="llama70b", layers=20, rank_of=1)
+    c = decode_model.model_config(args, 4)
+    assert c.model_type == "llama" and c.num_hidden_layers == 20
+    assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size) == (8192, 64, 8, 28672)
+    assert decode_model.PRESETS["llama70b"]["num_hidden_layers"] == 80
