@@ -71,7 +71,8 @@ def cudagraph_tree_work(tally: dict):
             setattr(manager, name, fn)
 
 
-HF_COMPILE_ATTRS = ("_compiled_call", "_last_compile_config", "_previous_max_cache_length")
+HF_CALL_ATTRS = ("_compiled_call", "_last_compile_config")  # HF's compiled call: one per config here
+HF_COMPILE_ATTRS = HF_CALL_ATTRS + ("_previous_max_cache_length",)
 
 
 def forget_compiles(model) -> None:
@@ -141,14 +142,14 @@ class GenerateRunner(Runner):
     @contextlib.contextmanager
     def active(self):
         model = self.b.model
-        for attr in HF_COMPILE_ATTRS[:2]:
+        for attr in HF_CALL_ATTRS:
             if hasattr(model, attr):
                 delattr(model, attr)
         model.__dict__.update(self.saved)
         try:
             yield
         finally:
-            self.saved = {a: getattr(model, a) for a in HF_COMPILE_ATTRS[:2] if hasattr(model, a)}
+            self.saved = {a: getattr(model, a) for a in HF_CALL_ATTRS if hasattr(model, a)}
 
     def variant(self, sample: bool, batch: int):
         from transformers import GenerationConfig
