@@ -167,7 +167,13 @@ def rows_from(path: Path) -> list[dict]:
     common = {"device": meta.get("device"), "date": (meta.get("date") or time.strftime("%Y-%m-%d", time.localtime(
         path.stat().st_mtime)))[:10], "versions": versions, "source": path.name}
     out = []
-    if path.name.startswith("bench_") and "rows" in data:  # bench_fused_op.py: us per call
+    if path.name.startswith("bench_quantized_") and "rows" in data:  # --quantized: the codec at prefill sizes
+        for r in data["rows"]:
+            out.append({**common, "path": "site, quantized all-reduce", "model": f"hidden {r['hidden']}",
+                        "tp": r["world"], "case": f"{r['mib']:g} MiB per rank", "unit": "us per call",
+                        "off": round(r["a0_us"], 2), "on": round(r["b_us"], 2), "speed": speed(r["a0_us"], r["b_us"]),
+                        "note": f"{meta.get('level', '')}; vs the exact fused path {r['b_vs_exact']:.3f}"})
+    elif path.name.startswith("bench_") and "rows" in data:  # bench_fused_op.py: us per call
         quant = "quant" in path.name
         for r in data["rows"]:
             if "b_us" not in r:
@@ -247,7 +253,7 @@ def plot(rows: list[dict], title: str, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(12, 0.3 * len(rows) + 1.8))
     ys = list(range(len(rows)))[::-1]
     colors = {"site": "tab:blue", "decode step (CUDA graph)": "tab:green", "prefill": "tab:olive",
-              "prefill, quantized all-reduce": "tab:brown", "HF generate()": "tab:purple",
+              "prefill, quantized all-reduce": "tab:brown", "site, quantized all-reduce": "tab:cyan", "HF generate()": "tab:purple",
               "reduce-overhead loop": "tab:pink", "generate_batch": "tab:orange"}
     for y, r in zip(ys, rows):
         lo, hi = r.get("spread", (r["speed"], r["speed"]))

@@ -49,6 +49,8 @@ def test_report_rows_bar_table_and_plot(tmp_path):
         {"world": 2, "hidden": 4096, "tokens": 1, "a0_us": 10.0, "b_us": 5.0, "b_path": "fused one-shot"},
         {"world": 2, "hidden": 4096, "tokens": 8192, "a0_us": 300.0, "b_us": 330.0, "ur_us": 330.0, "br_us": 329.0,
          "b_path": "unfused"}]})
+    write(tmp_path / "qop2", "bench_quantized_w2.json", {"meta": {**META, "level": "fp8"}, "rows": [
+        {"world": 2, "hidden": 4096, "mib": 8, "tokens": 1024, "a0_us": 60.0, "b_us": 40.0, "b_vs_exact": 1.2}]})
     variant = {"off": {"ms_per_token": 11.0, "gpu_busy_fraction": 0.4}, "on": {"ms_per_token": 11.5},
                "on_speedup": {"median": 0.957, "min": 0.9, "max": 1.01, "n": 8}, "excluded_pairs": 1}
     write(tmp_path / "decode2", "decode_llama_w2_decode.json", {"meta": META, "phases": {
@@ -62,6 +64,9 @@ def test_report_rows_bar_table_and_plot(tmp_path):
     assert by_path[("site", "T=1")]["speed"] == 2.0 and by_path[("site", "T=1")]["off"] == 10.0
     # Left unfused: Inductor's graph without and with the pass, not the harness's NCCL call.
     assert by_path[("site", "T=8192")]["off"] == 330.0 and by_path[("site", "T=8192")]["speed"] == pytest.approx(1.003, abs=1e-3)
+    quantized = by_path[("site, quantized all-reduce", "8 MiB per rank")]  # not a plain site row
+    assert quantized["speed"] == 1.5 and "fp8" in quantized["note"]
+    assert not [r for r in rows if r["path"] == "site" and "MiB" in r["case"]]
     step = by_path[("decode step (CUDA graph)", "batch 1")]
     assert step["speed"] == 1.25 and step["floor"] == 3.5 and step["comm_removed_pct"] == 66.7
     gen = by_path[("HF generate()", "greedy, batch 1")]
