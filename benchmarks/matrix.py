@@ -81,19 +81,29 @@ def plan() -> str:
     return "\n".join(lines)
 
 
-def parse_spec(spec: str) -> tuple[str, list[int] | None, dict]:
-    """'generate2@2,3:A=1:B=2' -> ('generate2', [2, 3], {'A': '1', 'B': '2'})."""
-    head, *env = spec.split(":")
+def parse_spec(spec: str) -> tuple[str, list[int] | None, dict, list[str]]:
+    """'generate2@2,3:A=1:B=2' -> ('generate2', [2, 3], {'A': '1', 'B': '2'}, []). A key that starts
+    with "--" is one more argument for the stage's script, after its own (so it overrides them):
+    'serve2@0,1:--configs=off' -> (..., {}, ['--configs', 'off']); 'decode2:--batches=8 32' -> [..., '8', '32']."""
+    head, *sets = spec.split(":")
     name, _, gpus = head.partition("@")
     if name not in STAGES:
         raise SystemExit(f"unknown stage {name!r}; `matrix.py plan` lists them")
     devices = [int(g) for g in gpus.split(",")] if gpus else None
     if devices is not None and len(devices) != STAGES[name].gpus:
         raise SystemExit(f"{name} takes {STAGES[name].gpus} GPUs, not {gpus}")
-    return name, devices, dict(e.split("=", 1) for e in env)
+    pairs = [e.split("=", 1) for e in sets]
+    args = [word for k, v in pairs if k.startswith("--") for word in (k, *v.split())]
+    return name, devices, {k: v for k, v in pairs if not k.startswith("--")}, args
 
 
-def stage_command(name: str, out: Path, slot: int, limit_s: float) -> list[str]:
+def stage_folder(name: str, args: list[str]) -> str:
+    """The stage's results folder: its name, and its extra arguments (two runs of one stage in one
+    group, e.g. serve2 off and serve2 on on two GPU pairs, write apart)."""
+    return "_".join([name] + [re.sub(r"[^A-Za-z0-9.]+", "", a) for a in args])
+
+
+def stage_command(name: str, out: Path, slot: int, limit_s: float, args: list[str] = ()) -> list[str]:
     """torchrun of the stage's script; `slot`: its place in its group (its own port and random
     checkpoint folder: stages at the same time never write one checkpoint together, stages one
     after another reuse it)."""
@@ -102,7 +112,7 @@ def stage_command(name: str, out: Path, slot: int, limit_s: float) -> list[str]:
     if s.script == "bench_hf_decode.py":  # no phase or variant starts after this: the stage ends with its results
         extra += ["--budget-s", str(int(limit_s - 90))]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(s.gpus), "--master-port",
-            str(29500 + 11 * slot), str(HERE / s.script), *s.args.split(), *extra, "--out", str(out)]
+            str(29500 + 11 * slot), str(HERE / s.script), *s.args.split(), *extra, *args, "--out", str(out)]
 
 
 def stage_env(devices: list[int] | None, extra: dict) -> dict:
@@ -126,25 +136,25 @@ def run(groups: list[str], out: Path, deadline_s: float) -> int:
         specs = [parse_spec(s) for s in group.split("+")]
         left = deadline_s - (time.time() - start)
         procs = []
-        for i, (name, devices, extra) in enumerate(specs):
+        for i, (name, devices, extra, args) in enumerate(specs):
             limit = min(STAGES[name].limit_s, left - 5)
             if limit < 60:
                 print(f"=== {name} skipped: {left:.0f} s left before the deadline", flush=True)
                 continue
-            folder = out / name
+            folder = out / stage_folder(name, args)
             folder.mkdir(parents=True, exist_ok=True)
             env = stage_env(devices, dict(extra))
-            cmd = ["timeout", "-k", "10", str(int(limit))] + stage_command(name, folder, i, limit)
+            cmd = ["timeout", "-k", "10", str(int(limit))] + stage_command(name, folder, i, limit, args)
             print(f"=== {name} on GPUs {devices or 'first'} (limit {limit:.0f} s) {extra or ''}: {' '.join(cmd[4:])}",
                   flush=True)
             log = open(folder / "log.txt", "w")
-            procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.time()))
-        for name, proc, log, t0 in procs:
+            procs.append((folder, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.time()))
+        for folder, proc, log, t0 in procs:
             rc = proc.wait()
             log.close()
             failed += rc != 0
-            tail = (out / name / "log.txt").read_text(errors="replace").splitlines()[-25:]
-            print(f"=== {name} rc={rc} after {time.time() - t0:.0f} s\n" + "\n".join(tail), flush=True)
+            tail = (folder / "log.txt").read_text(errors="replace").splitlines()[-25:]
+            print(f"=== {folder.name} rc={rc} after {time.time() - t0:.0f} s\n" + "\n".join(tail), flush=True)
     return failed
 
 
@@ -160,8 +170,8 @@ def speed(off: float, on: float, higher_is_better: bool = False) -> float:
     return round(on / off if higher_is_better else off / on, 4)
 
 
-def rows_from(path: Path) -> list[dict]:
-    data = json.loads(path.read_text())
+def rows_from(path: Path, data: dict | None = None) -> list[dict]:
+    data = data if data is not None else json.loads(path.read_text())
     meta = data.get("meta", {})
     versions = {k: meta.get(k) for k in ("torch", "transformers", "flashinfer") if meta.get(k)}
     common = {"device": meta.get("device"), "date": (meta.get("date") or time.strftime("%Y-%m-%d", time.localtime(
@@ -216,11 +226,13 @@ def rows_from(path: Path) -> list[dict]:
         for requests, r in data.get("mixes", {}).items():
             if "off" not in r or "on" not in r:
                 continue
+            note = "off and on at once on two GPU pairs of the host" if meta.get("merged_from") else ""
             for key, unit, higher in (("tokens_per_s", "tokens/s", True), ("itl_ms", "ms inter-token", False),
                                       ("ttft_ms", "ms to first token", False)):
                 out.append({**common, "path": "generate_batch", "model": model, "tp": meta["world"],
                             "case": f"{requests} requests, {unit}", "unit": unit, "off": round(r["off"][key], 3),
-                            "on": round(r["on"][key], 3), "speed": speed(r["off"][key], r["on"][key], higher)})
+                            "on": round(r["on"][key], 3), "speed": speed(r["off"][key], r["on"][key], higher),
+                            "note": note})
     for row in out:
         row["machine"] = machine_key(meta, common["date"])
         if meta.get("fake_world") or meta.get("shared_gpu"):  # collectives that compute nothing, or ranks taking turns
@@ -270,14 +282,40 @@ def plot(rows: list[dict], title: str, png: Path) -> None:
     fig.savefig(str(png), dpi=110, bbox_inches="tight")  # the long row labels kept whole
 
 
+def merge_serving(paths: list[Path]) -> dict[Path, dict]:
+    """Serving results by file; an "off"-only and an "on"-only run of one setup (one machine, model,
+    world, prompt and output lengths: serve2 off and on on two GPU pairs at once) become one."""
+    merged, by_setup = {}, {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        meta = data["meta"]
+        key = tuple(meta.get(k) for k in ("device", "model_type", "layers", "hidden", "world", "fake_world",
+                                          "prompt", "new", "cuda_graphs"))
+        other = by_setup.get(key)
+        if other is not None and not set(data["configs"]) & set(merged[other]["configs"]):
+            into = merged[other]
+            into["meta"]["merged_from"] = [other.name, path.name]
+            into["configs"].update(data["configs"])
+            for requests, row in data["mixes"].items():
+                into["mixes"].setdefault(requests, {}).update(row)
+            continue
+        merged[path] = data
+        by_setup[key] = path
+    return merged
+
+
 def report(folders: list[str], out: Path, name: str | None = None) -> list[Path]:
     """Rows of every result under `folders`, one set of files per machine (device and date, or
     `name` for all of them: the folders of one device session are one machine)."""
-    rows = []
+    rows, serving = [], []
     for folder in folders:
         for path in sorted(Path(folder).rglob("*.json")):
-            if path.name.startswith(("bench_", "decode_", "serving_")):
+            if path.name.startswith(("bench_", "decode_")):
                 rows += rows_from(path)
+            elif path.name.startswith("serving_"):
+                serving.append(path)
+    for path, data in merge_serving(serving).items():
+        rows += rows_from(path, data)
     if not rows:
         raise SystemExit(f"no results in {folders}")
     for row in rows:
@@ -303,7 +341,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("plan", help="list the stages")
     r = sub.add_parser("run", help="run stage groups in order")
-    r.add_argument("groups", nargs="+", help="STAGE[@GPUS][:VAR=VALUE...], joined by + to run at the same time")
+    r.add_argument("groups", nargs="+", help="STAGE[@GPUS][:VAR=VALUE...][:--ARG=VALUE...], joined by + to run at the same time")
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results")) / "matrix")
     r.add_argument("--deadline", type=float, default=560, help="seconds for every group together")
     rep = sub.add_parser("report", help="JSON, table and plot per machine")

@@ -17,8 +17,15 @@ sys.path.remove(str(BENCH))
 
 
 def test_stage_specs_and_commands():
-    name, gpus, env = matrix.parse_spec("generate2@2,3:TRANSFORMERS_WHEEL=w.whl:X=1")
-    assert (name, gpus, env) == ("generate2", [2, 3], {"TRANSFORMERS_WHEEL": "w.whl", "X": "1"})
+    name, gpus, env, args = matrix.parse_spec("generate2@2,3:TRANSFORMERS_WHEEL=w.whl:X=1")
+    assert (name, gpus, env, args) == ("generate2", [2, 3], {"TRANSFORMERS_WHEEL": "w.whl", "X": "1"}, [])
+    # Extra arguments come after the stage's own, so they win; two runs of one stage write apart.
+    name, gpus, env, args = matrix.parse_spec("decode2@0,1:--batches=8 32:X=1")
+    assert (env, args) == ({"X": "1"}, ["--batches", "8", "32"])
+    cmd = matrix.stage_command(name, Path("/o"), 0, 400, args)
+    assert cmd[-5:] == ["--batches", "8", "32", "--out", "/o"] and cmd.index("--floor") < cmd.index("8")
+    assert matrix.stage_folder("serve2", ["--configs", "off"]) == "serve2_configs_off"
+    assert matrix.stage_folder("serve2", []) == "serve2"
     with pytest.raises(SystemExit, match="takes 4 GPUs"):
         matrix.parse_spec("decode4@0,1")
     with pytest.raises(SystemExit, match="unknown stage"):
@@ -76,3 +83,23 @@ def test_report_rows_bar_table_and_plot(tmp_path):
     md = (tmp_path / "out" / "matrix_h100x4_test.md").read_text()
     assert "0.957× **below 0.98**" in md and "| 5.24.0 |" in md and "removes 67% of the all-reduces' time" in md
     assert (tmp_path / "out" / "matrix_h100x4_test.png").stat().st_size > 10_000
+
+
+def test_report_merges_serving_off_and_on_run_apart(tmp_path):
+    """serve2 off and serve2 on at once on two GPU pairs: two files, one row set; a lone config makes no row."""
+    pytest.importorskip("matplotlib")
+    meta = {**META, "prompt": 512, "new": 128, "cuda_graphs": True}
+    mix = lambda tps, itl: {"tokens_per_s": tps, "itl_ms": itl, "ttft_ms": 100.0}  # noqa: E731
+    write(tmp_path / "serve2_configs_off", "serving_llama_w2.json", {"meta": meta, "configs": {"off": {}},
+          "mixes": {"1": {"off": mix(40.0, 25.0)}, "16": {"off": mix(500.0, 30.0)}}})
+    write(tmp_path / "serve2_configs_on", "serving_llama_w2.json", {"meta": meta, "configs": {"on": {}},
+          "mixes": {"1": {"on": mix(42.0, 23.8)}, "16": {"on": mix(560.0, 28.0)}}})
+    write(tmp_path / "serve4_configs_on", "serving_llama_w4.json", {"meta": {**meta, "world": 4},
+          "configs": {"on": {}}, "mixes": {"1": {"on": mix(50.0, 20.0)}}})
+    matrix.report([str(tmp_path)], tmp_path / "out", "m")
+    rows = json.loads((tmp_path / "out" / "matrix_m.json").read_text())["rows"]
+    assert {r["tp"] for r in rows} == {2} and len(rows) == 6
+    tps = {r["case"]: r for r in rows if r["unit"] == "tokens/s"}
+    assert tps["16 requests, tokens/s"]["speed"] == 1.12 and "two GPU pairs" in tps["16 requests, tokens/s"]["note"]
+    itl = {r["case"]: r for r in rows if r["unit"] == "ms inter-token"}
+    assert itl["1 requests, ms inter-token"]["speed"] == pytest.approx(25.0 / 23.8, abs=1e-4)
