@@ -82,6 +82,37 @@ def serving_metrics(outputs: dict) -> dict:
             "itl_p90_ms": 1e3 * percentile(gaps, 0.9), "tokens_per_s": tokens / span, "new_tokens": tokens}
 
 
+@contextlib.contextmanager
+def host_profile(path: Path):
+    """cProfile of transformers' generation thread (where continuous batching spends its host time:
+    scheduling, the TP group's sync, launches) over the calls inside; the top functions by
+    cumulative and by own time go to `path`. The profiler's own cost inflates the total."""
+    import cProfile
+    import pstats
+
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    original = ContinuousBatchingManager._run_generation_loop
+    profiler = cProfile.Profile()
+
+    def profiled(self, *args, **kwargs):
+        profiler.enable()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            profiler.disable()
+
+    ContinuousBatchingManager._run_generation_loop = profiled
+    try:
+        yield
+    finally:
+        ContinuousBatchingManager._run_generation_loop = original
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for key, n in (("cumulative", 45), ("tottime", 30)):
+                pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(n)
+
+
 def prompts_for(requests: int, length: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(requests)
     return torch.randint(3, vocab, (requests, length), generator=g).tolist()
@@ -127,6 +158,8 @@ def main() -> int:
     p.add_argument("--fake-world", type=int, default=0, metavar="N")
     p.add_argument("--shared-gpu", action="store_true")
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--profile-host", action="store_true",
+                   help="one more call of the smallest mix per config under cProfile (host_profile_CONFIG_rankR.txt)")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--out", default="results")
     args = p.parse_args()
@@ -192,6 +225,10 @@ def main() -> int:
             row[name].update(calls=calls, cuda_graphs=graphs)
             say(f"{requests} requests, {name}: " + ", ".join(f"{k} {row[name][k]:.3g}" for k in
                                                              ("ttft_ms", "itl_ms", "itl_p90_ms", "tokens_per_s")))
+        if args.profile_host:
+            with host_profile(Path(args.out, f"host_profile_{name}_rank{rank}.txt")):
+                generate_batch(model, prompts[min(mixes)], args.new, config=passes[name], cuda_graphs=graphs,
+                               record_timestamps=True, persistent=True, **cb)
         model.destroy_cached_continuous_batching_manager()
         # Its CUDA-graph pool goes now, not in a garbage collection during the next capture (torch 2.11 aborts).
         gc.collect()
