@@ -7,7 +7,8 @@ offers, never by its version string).
 - `tp_kwargs`: the keywords that load a model tensor-parallel (`loading`);
 - `prepare_for_compile`: removes the graph breaks that transformers' own code puts between an
   all-reduce and its norm: gradient-only hooks and looped experts in model code (`model_code`),
-  and the paged-cache update of continuous batching (`paged_cache`).
+  and the paged-cache update of continuous batching, with its decode fast path's Flash Attention
+  call (`paged_cache`).
 
 transformers is imported lazily, inside the functions: `import arfusion.hf` does not import it.
 """

@@ -16,10 +16,21 @@ all-reduces end one graph, the residual add and the norm start the next, and no 
 - the op finds its cache by the storage it writes (each cache owns one pool tensor), so a graph
   compiled for one `generate_batch` call serves the next one's new cache without a recompile.
 
-The decode fast path with Flash Attention (block tables: the flash kernel writes the cache) keeps
-transformers' update and its graph break. transformers 5.17 traces its update as it is and needs
-nothing. Where the layout is not the one above, nothing changes and the pass names the graph break
-in its log and in `stats()["split_by_graph_breaks"]`.
+The decode fast path with Flash Attention 2/3 (block tables: `flash_attn_with_kvcache` writes the
+new keys and values into the cache and attends over it) has two graph breaks per attention call:
+the update's `torch.compiler.disable`, and the one transformers puts around the kernel
+(`_flash_with_kvcache_fn` in `modeling_flash_attention_utils`). Both go the same way:
+- the update's block-table branch is traced too (it only picks this layer's cache views, block
+  table and lengths);
+- on each new cache, transformers' wrapped kernel is replaced by one whose compiled form is one
+  opaque custom op, `arfusion::hf_paged_flash_kvcache`, whose body calls that same kernel with the
+  same arguments. Declared pure like the update's op; it checks that the cache views it gets are a
+  prepared cache's own (never a copy), and takes the keywords transformers passes to FA2 and FA3
+  (with any other keyword the call keeps transformers' graph break, which the pass names).
+
+transformers 5.17 traces its update as it is and needs nothing. Where the layout is not the one
+above, nothing changes and the pass names the graph break in its log and in
+`stats()["split_by_graph_breaks"]`.
 """
 
 from __future__ import annotations
@@ -87,11 +98,107 @@ def _allocator_update(self, key_states, value_states, layer_idx, read_index, wri
 
 
 def _cache_update(self, key_states, value_states, layer_idx, kwargs):
-    """`PagedAttentionCache.update` without its `torch.compiler.disable`, which Dynamo traces; the
-    block-table path (Flash Attention's decode fast path) keeps transformers' compiled-out one."""
-    if kwargs.get("block_table") is not None:
-        return type(self).update(self, key_states, value_states, layer_idx, kwargs)
+    """`PagedAttentionCache.update` without its `torch.compiler.disable`, which Dynamo traces: on
+    the block-table path (the decode fast path) it only hands the kernel this layer's cache views."""
     return _undecorated_update(self, key_states, value_states, layer_idx, kwargs)
+
+
+# ----------------------------------------------------------------------------- decode fast path
+FLASH_OP = "arfusion::hf_paged_flash_kvcache"
+# The keywords transformers 5.24 passes to flash_attn_with_kvcache (FA2: block_table; FA3: page_table,
+# max_seqlen_q; sink kernels: s_aux or learnable_sink), by kind.
+FLASH_TENSOR_KEYS = ("block_table", "page_table", "cache_seqlens", "s_aux", "learnable_sink")
+FLASH_CONSTANT_KEYS = ("causal", "softmax_scale", "window_size", "softcap", "dropout_p", "deterministic",
+                       "max_seqlen_q", "max_seqlen_k")
+# The kernels behind the replaced wrappers, by name (the op takes the name).
+_kernels: dict[str, Callable] = {}
+
+
+def _kernel_name(kernel: Callable) -> str:
+    return f"{getattr(kernel, '__module__', '?')}.{getattr(kernel, '__qualname__', repr(kernel))}"
+
+
+@torch.library.custom_op(FLASH_OP, mutates_args=())
+def paged_flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                        v: torch.Tensor | None, tensors: list[torch.Tensor], tensor_keys: str, causal: bool | None,
+                        softmax_scale: float | None, window_size: list[int] | None, softcap: float | None,
+                        dropout_p: float | None, deterministic: bool | None, max_seqlen_q: int | None,
+                        max_seqlen_k: int | None, kernel: str) -> torch.Tensor:
+    """transformers' `flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **keywords)` for one layer:
+    writes `k` and `v` into the paged cache through the block table and returns the attention output.
+    The keywords are the tensors named by `tensor_keys` (comma-separated) and the constants not None.
+    Declared pure: the cache it writes is read by this op alone, never by another graph node."""
+    if _caches.get(_storage(k_cache)) is None or _storage(v_cache) != _storage(k_cache):
+        raise RuntimeError(f"arfusion: {FLASH_OP} got cache tensors that are not a paged KV cache arfusion prepared "
+                           "(made before arfusion.hf.prepare_for_compile, freed, or copied by the compiler)")
+    keywords: dict[str, Any] = dict(zip(tensor_keys.split(","), tensors)) if tensor_keys else {}
+    constants = {"causal": causal, "softmax_scale": softmax_scale, "softcap": softcap, "dropout_p": dropout_p,
+                 "deterministic": deterministic, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k,
+                 "window_size": None if window_size is None else tuple(window_size)}
+    keywords.update({key: value for key, value in constants.items() if value is not None})
+    out = _kernels[kernel](q, k_cache, v_cache, k, v, **keywords)
+    return _dense(out[0] if isinstance(out, tuple) else out, q)
+
+
+@paged_flash_kvcache.register_fake
+def _(q, k_cache, v_cache, k, v, tensors, tensor_keys, causal, softmax_scale, window_size, softcap, dropout_p,
+      deterministic, max_seqlen_q, max_seqlen_k, kernel):
+    return q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
+
+
+def _flash_kvcache_in_graph(disabled: Callable, kernel: Callable) -> Callable:
+    """transformers' compiled-out `flash_attn_with_kvcache` (`disabled`, around `kernel`) as the
+    compiler sees it: the op above. Run eagerly, or with a keyword the op does not take, the
+    wrapper transformers made."""
+    name = _kernel_name(kernel)
+    _kernels[name] = kernel
+    known = FLASH_TENSOR_KEYS + FLASH_CONSTANT_KEYS
+
+    @functools.wraps(kernel)
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, **keywords):
+        if not torch.compiler.is_compiling() or not all(key in known for key in keywords):
+            return disabled(q, k_cache, v_cache, k, v, **keywords)
+        tensor_keys = ",".join(key for key, value in keywords.items() if isinstance(value, torch.Tensor))
+        tensors = [value for value in keywords.values() if isinstance(value, torch.Tensor)]
+        window = keywords.get("window_size")
+        return torch.ops.arfusion.hf_paged_flash_kvcache(
+            q, k_cache, v_cache, k, v, tensors, tensor_keys, keywords.get("causal"), keywords.get("softmax_scale"),
+            None if window is None else list(window), keywords.get("softcap"), keywords.get("dropout_p"),
+            keywords.get("deterministic"), keywords.get("max_seqlen_q"), keywords.get("max_seqlen_k"), name)
+
+    flash_attn_with_kvcache._arfusion_disabled = disabled
+    return flash_attn_with_kvcache
+
+
+def _flash_utils():
+    try:
+        from transformers import modeling_flash_attention_utils
+    except ImportError:
+        return None
+    return modeling_flash_attention_utils
+
+
+def _keep_flash_kvcache_in_graph() -> str | None:
+    """Replaces the kernel transformers loaded for the decode fast path, if any, by the wrapper
+    above (once per kernel load); None, or why it cannot."""
+    utils = _flash_utils()
+    current = getattr(utils, "_flash_with_kvcache_fn", None) if utils is not None else None
+    if current is None or getattr(current, "_arfusion_disabled", None) is not None:
+        return None
+    kernel = getattr(current, "_torchdynamo_orig_callable", None)
+    if not getattr(current, "_torchdynamo_disable", False) or kernel is None:
+        return f"{_kernel_name(current)} is not the torch.compiler.disable wrapper arfusion knows: left as it is"
+    utils._flash_with_kvcache_fn = _flash_kvcache_in_graph(current, kernel)
+    log.info("arfusion: continuous batching's decode fast path: %s runs inside the compiled graph (%s), instead of "
+             "the graph break of transformers' torch.compiler.disable", _kernel_name(kernel), FLASH_OP)
+    return None
+
+
+def _release_flash_kvcache() -> None:
+    utils = _flash_utils()
+    disabled = getattr(getattr(utils, "_flash_with_kvcache_fn", None), "_arfusion_disabled", None)
+    if disabled is not None:
+        utils._flash_with_kvcache_fn = disabled
 
 
 def _params(fn: Callable) -> tuple[str, ...]:
@@ -117,6 +224,9 @@ def _prepare(cache) -> str | None:
     cache.update = types.MethodType(_cache_update, cache)
     for allocator in set(allocators.values()):
         allocator.update = types.MethodType(_allocator_update, allocator)
+    reason = _keep_flash_kvcache_in_graph()
+    if reason:
+        log.info("arfusion: the decode fast path's flash_attn_with_kvcache: %s", reason)
     return None
 
 
@@ -163,8 +273,10 @@ def keep_paged_cache_in_graph() -> tuple[bool, str]:
 
 
 def release_paged_cache() -> None:
-    """Undoes `keep_paged_cache_in_graph` for caches made from now on."""
+    """Undoes `keep_paged_cache_in_graph` for caches made from now on, and gives transformers back
+    its compiled-out `flash_attn_with_kvcache`."""
     cls = _paged_cache_class()
     original = getattr(cls.__init__, "_arfusion_original", None) if cls is not None else None
     if original is not None:
         cls.__init__ = original
+    _release_flash_kvcache()

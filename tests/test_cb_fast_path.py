@@ -1,0 +1,176 @@
+"""transformers' continuous-batching decode fast path (Flash Attention's paged kernel
+`flash_attn_with_kvcache` on a block table) with the pass, on CPU: a stand-in kernel
+(tests/fake_flash_attn.py) and transformers' checks told that Flash Attention 2 is there.
+
+What transformers 5.24 needs to take the path (`ensure_decode_fast_path_is_available`,
+`lazy_import_flash_attention`): an attention implementation named Flash Attention 2 or 3, CUDA (or
+XPU for FA2), a `flash_attn` package it accepts (`is_flash_attn_2_available`: the flash-attn
+distribution, >= 2.3.3, on CUDA) with `flash_attn_with_kvcache`, and attention types that all
+support block tables. The fixture below meets each on CPU with as little as it can.
+
+Without arfusion's fix every decode-step site split at two graph breaks per attention call (the
+cache update's and the kernel's `torch.compiler.disable`); with it (arfusion.hf.paged_cache) every
+site fuses on both paths, with the tokens of the eager run. One process, a fake world of 2 ranks,
+a tiny fp32 Llama, a cache of 64 blocks.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+initialization = pytest.importorskip("transformers.generation.continuous_batching.initialization")
+if not hasattr(initialization, "ensure_decode_fast_path_is_available"):
+    pytest.skip("this transformers has no decode fast path check", allow_module_level=True)
+
+import transformers.integrations.flash_attention as flash_integration  # noqa: E402
+import transformers.modeling_flash_attention_utils as flash_utils  # noqa: E402
+
+import arfusion  # noqa: E402
+from arfusion import hf  # noqa: E402
+from arfusion.check import load_tp_model, save_random_model  # noqa: E402
+from arfusion.hf import paged_cache  # noqa: E402
+from arfusion.hf.configs import tiny_config  # noqa: E402
+from arfusion.hf.continuous_batching import decode_fast_path  # noqa: E402
+from arfusion.testing import assert_fused, fake_world, generate_batch  # noqa: E402
+
+from . import fake_flash_attn  # noqa: E402
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+NEW_TOKENS = 6
+LAYERS = 2
+PASS = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")
+# transformers' lazily loaded Flash Attention functions, restored after each test.
+LOADED = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn", "_unpad_fn",
+          "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny Llama at TP=2 over a fake world (prepared for compile: load_tp_model)."""
+    with fake_world(2), tempfile.TemporaryDirectory() as path:
+        save_random_model(tiny_config("llama"), path, dtype=torch.float32)
+        yield load_tp_model(path, 2, dtype=torch.float32)
+
+
+@pytest.fixture
+def flash_attention_2(monkeypatch):
+    """Switches a model to transformers' Flash Attention 2 path with the stand-in kernel; returns the
+    stand-in's call log. Undone after the test."""
+    calls = fake_flash_attn.install_fake_flash_attn()
+    for name in LOADED:
+        monkeypatch.setattr(flash_utils, name, getattr(flash_utils, name))
+    # transformers' package check: the flash-attn distribution (>= 2.3.3) on CUDA.
+    monkeypatch.setattr(flash_utils, "is_flash_attn_2_available", lambda *a, **k: True)
+    # Its device check: FA2/3 on CUDA or FA2 on XPU. The XPU name, not torch.cuda.is_available,
+    # which would send the rest of the run down CUDA code.
+    monkeypatch.setattr(initialization, "is_torch_xpu_available", lambda *a, **k: True)
+    # fp32 activations: transformers casts them to the linears' dtype (fp32 here, a no-op) and logs
+    # a warning_once, a graph break of its own; bf16/fp16 models never take that branch.
+    monkeypatch.setattr(flash_integration, "get_target_dtype", lambda query, module: None)
+    switched = []
+
+    def switch(model):
+        switched.append((model.config, model.config._attn_implementation))
+        model.config._attn_implementation_internal = "flash_attention_2"  # set_attn_implementation checks CUDA
+        return calls
+
+    yield switch
+    for config, implementation in switched:
+        config._attn_implementation_internal = implementation
+    fake_flash_attn.remove_fake_flash_attn()
+
+
+@pytest.fixture
+def prepared():
+    hf.release_paged_cache()
+    hf.keep_paged_cache_in_graph()
+    yield
+    hf.release_paged_cache()
+    hf.keep_paged_cache_in_graph()  # as load_tp_model left it, for the module's next test
+
+
+def test_the_stand_in_computes_attention():
+    """The stand-in against SDPA: a paged cache with scattered pages, GQA, three lengths; and the
+    varlen call on packed sequences."""
+    torch.manual_seed(0)
+    page, heads, kv_heads, dim = 4, 4, 2, 8
+    lengths = [1, 6, 9]  # cached tokens before this step
+    k_cache, v_cache = torch.randn(2, 16, page, kv_heads, dim).unbind(0)
+    block_table = torch.tensor([[5, -1, -1], [2, 9, -1], [12, 0, 7]], dtype=torch.int32)
+    q, k, v = torch.randn(3, 1, heads, dim), torch.randn(3, 1, kv_heads, dim), torch.randn(3, 1, kv_heads, dim)
+    before = k_cache.clone()
+    out = fake_flash_attn.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, block_table=block_table,
+                                                  cache_seqlens=torch.tensor(lengths, dtype=torch.int32), causal=True)
+    for b, past in enumerate(lengths):
+        slots = [(p * page + s) for p in block_table[b].tolist() if p >= 0 for s in range(page)][:past + 1]
+        keys, values = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+        assert torch.equal(keys[-1], k[b, 0]) and torch.equal(values[-1], v[b, 0])
+        assert torch.equal(keys[:-1], before.flatten(0, 1)[slots[:-1]])
+        want = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                              enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[b], want)
+    packed_q, packed_kv = torch.randn(12, heads, dim), torch.randn(2, 12, kv_heads, dim)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out = fake_flash_attn.flash_attn_varlen_func(packed_q, *packed_kv, cu, cu, 7, 7, causal=True)
+    for start, end in ((0, 5), (5, 12)):
+        want = F.scaled_dot_product_attention(*(x[start:end].transpose(0, 1) for x in (packed_q, *packed_kv)),
+                                              is_causal=True, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[start:end], want)
+
+
+def test_transformers_takes_the_fast_path_with_the_eager_tokens(llama, flash_attention_2, prepared):
+    """Each decode step calls the paged kernel once per layer; the tokens are the default path's.
+    The first cache made swaps transformers' kernel wrapper for arfusion's; release undoes it."""
+    default = generate_batch(llama, PROMPTS, NEW_TOKENS, compiled=False)
+    calls = flash_attention_2(llama)
+    assert decode_fast_path(llama)
+    eager = generate_batch(llama, PROMPTS, NEW_TOKENS, compiled=False)
+    assert dict(calls) == {"flash_attn_varlen_func": LAYERS, "flash_attn_with_kvcache": (NEW_TOKENS - 1) * LAYERS}
+    assert eager.tokens == default.tokens
+    assert flash_utils._flash_with_kvcache_fn._arfusion_disabled is not None
+    hf.release_paged_cache()
+    assert getattr(flash_utils._flash_with_kvcache_fn, "_torchdynamo_disable", False)
+
+
+def test_every_site_fuses_on_the_fast_path_as_on_the_default_path(llama, flash_attention_2, prepared):
+    default = generate_batch(llama, PROMPTS, NEW_TOKENS, config=PASS)
+    assert default.report.graphs == 1 and not default.report.stats["split_by_graph_breaks"], default.report
+    assert_fused(default.report, all_reduces=5, left=0)
+    torch._dynamo.reset()
+    calls = flash_attention_2(llama)
+    eager = generate_batch(llama, PROMPTS, NEW_TOKENS, compiled=False)
+    calls.clear()
+    run = generate_batch(llama, PROMPTS, NEW_TOKENS, config=PASS)
+    # The varlen graph and the decode graphs (one per batch size before dynamic shapes).
+    assert calls["flash_attn_with_kvcache"] >= (NEW_TOKENS - 1) * LAYERS, calls
+    assert any(paged_cache.FLASH_OP in line for line in eager.report.log), eager.report.log  # its first cache
+    assert run.report.graphs >= 2 and not run.report.stats["split_by_graph_breaks"], run.report
+    assert run.report.all_reduces == 5 * run.report.graphs, run.report
+    assert_fused(run.report, left=0)
+    assert run.tokens == eager.tokens == default.tokens
+
+
+def test_the_kernels_own_graph_break_splits_the_decode_sites(llama, flash_attention_2, prepared, monkeypatch):
+    """With transformers' compiled-out kernel left in place, the decode graphs split at it (and only
+    at it: the cache update is traced) and none of their sites fuses, named in the report; the
+    varlen graphs still fuse."""
+    monkeypatch.setattr(paged_cache, "_keep_flash_kvcache_in_graph", lambda: None)
+    flash_attention_2(llama)
+    run = generate_batch(llama, PROMPTS[:1], 2, config=PASS)
+    splits = run.report.stats["split_by_graph_breaks"]
+    assert set(splits) == {"flash_attn_with_kvcache"}, run.report
+    # Varlen graphs (warm-up and prefill shapes) whole, decode graphs in pieces.
+    assert run.report.fused >= 5 and run.report.fused % 5 == 0, run.report
+    assert run.report.all_reduces - run.report.fused == splits["flash_attn_with_kvcache"] >= 3, run.report
+
+
+def test_the_op_refuses_tensors_that_are_not_a_prepared_cache():
+    q = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="not a paged KV cache"):
+        torch.ops.arfusion.hf_paged_flash_kvcache(q, torch.zeros(4, 2, 2, 8), torch.zeros(4, 2, 2, 8), None, None, [],
+                                                  "", True, None, None, None, None, None, None, None, "unknown")
