@@ -19,7 +19,12 @@ reuse them. transformers' own CUDA graphs are on (--no-cuda-graphs turns them of
 Per call, from transformers' per-token timestamps (`record_timestamps`): time to first token
 (from the request's admission), inter-token latency (median and p90 over every gap of every
 request), and output tokens per second (all new tokens over the first admission to the last
-token). The table holds the medians over the timed calls and the ratio on / off. Greedy tokens
+token). The table holds the medians over the timed calls and the ratio on / off. A timed call in
+which transformers captured a CUDA graph (it records one per new padded size, also after the first
+call) or Dynamo compiled is excluded and kept apart (`excluded_calls`); calls are made until
+--repeats steady ones or twice as many were made. With TP, ranks other than 0 look for new
+requests every 0.1 s (transformers' generation loop), so a call's TTFT varies by up to 100 ms in
+either config. Greedy tokens
 of "on" against "off": identical up to the first step where the model's two best logits are
 within bf16 rounding (arfusion.testing.greedy_departures).
 
@@ -80,6 +85,40 @@ def serving_metrics(outputs: dict) -> dict:
     span = max(ends) - min(starts)
     return {"ttft_ms": 1e3 * statistics.median(ttft), "itl_ms": 1e3 * statistics.median(gaps),
             "itl_p90_ms": 1e3 * percentile(gaps, 0.9), "tokens_per_s": tokens / span, "new_tokens": tokens}
+
+
+@contextlib.contextmanager
+def graph_work():
+    """{"captured": CUDA graphs captured, "compiled": Dynamo graphs compiled} inside, filled at exit.
+    A timed call that captures (transformers' continuous batching records a graph for each new
+    padded size it meets, first call of a mix or not) or compiles is not a steady-state call."""
+    import torch._dynamo.utils
+
+    work = {"captured": 0, "compiled": 0}
+    original = torch.cuda.CUDAGraph.capture_begin
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def counted(self, *args, **kwargs):
+        work["captured"] += 1
+        return original(self, *args, **kwargs)
+
+    torch.cuda.CUDAGraph.capture_begin = counted
+    try:
+        yield work
+    finally:
+        torch.cuda.CUDAGraph.capture_begin = original
+        work["compiled"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+
+def steady_calls(call, repeats: int) -> tuple[list[dict], list[dict]]:
+    """(steady calls, excluded calls): `call()` until `repeats` calls captured no CUDA graph and
+    compiled nothing, or 2 x repeats were made; each call's metrics carry its graph work."""
+    steady, excluded = [], []
+    while len(steady) < repeats and len(steady) + len(excluded) < 2 * repeats:
+        with graph_work() as work:
+            metrics = call()
+        (excluded if work["captured"] or work["compiled"] else steady).append({**metrics, **work})
+    return steady, excluded
 
 
 @contextlib.contextmanager
@@ -214,17 +253,21 @@ def main() -> int:
                                record_timestamps=True, persistent=True, **cb)
         say(f"{name}: first call (compile, CUDA-graph capture, {max(mixes)} requests) {first.seconds:.1f}s")
         for requests in mixes:
-            calls = []
-            for _ in range(args.repeats):
+            def call(requests=requests):
                 run = generate_batch(model, prompts[requests], args.new, config=passes[name], cuda_graphs=graphs,
                                      record_timestamps=True, persistent=True, **cb)
-                calls.append(dict(serving_metrics(run.outputs), seconds=run.seconds))
                 runs[(name, requests)] = run
+                return dict(serving_metrics(run.outputs), seconds=run.seconds)
+
+            calls, excluded = steady_calls(call, args.repeats)
             row = result["mixes"].setdefault(str(requests), {})
-            row[name] = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
-            row[name].update(calls=calls, cuda_graphs=graphs)
+            kept = calls or excluded  # none steady: the medians of all, said so
+            row[name] = {k: statistics.median(c[k] for c in kept) for k in ("ttft_ms", "itl_ms", "itl_p90_ms",
+                                                                            "tokens_per_s", "new_tokens", "seconds")}
+            row[name].update(calls=calls, excluded_calls=excluded, cuda_graphs=graphs, steady=bool(calls))
             say(f"{requests} requests, {name}: " + ", ".join(f"{k} {row[name][k]:.3g}" for k in
-                                                             ("ttft_ms", "itl_ms", "itl_p90_ms", "tokens_per_s")))
+                                                             ("ttft_ms", "itl_ms", "itl_p90_ms", "tokens_per_s"))
+                + f" ({len(calls)} steady calls, {len(excluded)} excluded: graphs captured or compiled)")
         if args.profile_host:
             with host_profile(Path(args.out, f"host_profile_{name}_rank{rank}.txt")):
                 generate_batch(model, prompts[min(mixes)], args.new, config=passes[name], cuda_graphs=graphs,

@@ -19,7 +19,7 @@ warm-up is excluded from the medians and counted (with what happened); pairs are
 --pairs valid ones exist or twice as many were tried.
 
 Per config, alongside: the first calls' seconds, sites fused in the graphs its calls compiled,
-and on GPU the profiler over one call of each length: GPU kernels, GPU busy time (union of
+and on GPU, once every variant's pairs are measured and saved, the profiler over one call of each length: GPU kernels, GPU busy time (union of
 kernel intervals), CUDA-graph and single kernel launches from the host, per token by the same
 difference, and GPU busy / wall per token (how host-bound the path is).
 """
@@ -263,14 +263,6 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
         row["fixed_ms"] = round(statistics.median(p[name]["fixed_ms"] for p in valid), 3) if valid else None
         row["naive_ms_per_token"] = (round(statistics.median(p[name]["long_ms"] for p in valid) / long_n, 4)
                                      if valid else None)
-        if b.cuda:
-            with runners[name].active():
-                prof = {n: profile_call(lambda n=n: calls[name](n), n) for n in (long_n, short_n)}
-            row["profile"] = per_token_counts(long_n, prof[long_n], short_n, prof[short_n])
-            busy = row["profile"]["gpu_busy_ms"]["per_token"]
-            row["gpu_busy_ms_per_token"] = round(busy, 4)
-            row["gpu_busy_fraction"] = round(busy / row["ms_per_token"], 3) if row["ms_per_token"] else None
-            progress.update(f"{name} profiled")
     result = {**out, "pairs": pairs, "valid_pairs": len(valid), "excluded_pairs": len(pairs) - len(valid),
               "excluded_why": dict(excluded)}
     if len(names) == 2:
@@ -278,6 +270,24 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
         for first in names:  # an order effect shows as a different ratio by which config went first
             result[f"on_speedup_{first}_first"] = spread([p["on_speedup"] for p in valid if p["order"][0] == first])
     return result
+
+
+def profile_variant(b, runners: dict, calls: dict, row: dict, progress) -> None:
+    """The profiler over one call of each length per config, into `row[config]`; each config first
+    makes one unprofiled call of each length (an earlier variant's shapes may have left a CUDA graph
+    to record again). Run after every variant's pairs are saved: on 4xH100 (2026-11-27) the first
+    profiled call of a TP=4 generate() never returned, and took the stage's results with it."""
+    long_n, short_n = max(b.args.lengths), min(b.args.lengths)
+    for name, r in ((n, row[n]) for n in runners if row.get(n, {}).get("ms_per_token")):
+        with runners[name].active():
+            for n in (long_n, short_n):
+                calls[name](n)
+            prof = {n: profile_call(lambda n=n: calls[name](n), n) for n in (long_n, short_n)}
+        r["profile"] = per_token_counts(long_n, prof[long_n], short_n, prof[short_n])
+        busy = r["profile"]["gpu_busy_ms"]["per_token"]
+        r["gpu_busy_ms_per_token"] = round(busy, 4)
+        r["gpu_busy_fraction"] = round(busy / r["ms_per_token"], 3)
+        progress.update(f"{name} profiled")
 
 
 def run_host_phase(b, kind: str) -> dict:
@@ -297,6 +307,7 @@ def run_host_phase(b, kind: str) -> dict:
     try:
         runners = {name: RUNNERS[kind](b, name) for name in names}
         longest = 0.0  # the longest variant so far: one that could not end within the budget does not start
+        measured = {}  # label -> its calls, profiled after every variant's pairs
         for label, sample, batch in variants:
             if b.args.budget_s and time.time() + longest > b.started + b.args.budget_s:
                 result["variants"][label] = {"skipped": "time budget (--budget-s) spent"}
@@ -314,6 +325,16 @@ def run_host_phase(b, kind: str) -> dict:
             longest = max(longest, time.time() - started)
             result["variants"][label] = row
             b.result["phases"][kind] = result  # saved after every variant: a run cut short keeps them
+            b.save()
+            b.say(variant_line(kind, label, row))
+            if "error" not in row:
+                measured[label] = calls
+        # Profiles last, each within the budget: the measured pairs are saved whatever happens here.
+        for label, calls in measured.items() if b.cuda else ():
+            row = result["variants"][label]
+            if "error" in row or (b.args.budget_s and time.time() + row["seconds"] / 2 > b.started + b.args.budget_s):
+                continue
+            profile_variant(b, runners, calls, row, progress)
             b.save()
             b.say(variant_line(kind, label, row))
     finally:

@@ -227,12 +227,19 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
             if "off" not in r or "on" not in r:
                 continue
             note = "off and on at once on two GPU pairs of the host" if meta.get("merged_from") else ""
+            excluded = sum(len(r[c].get("excluded_calls", [])) for c in ("off", "on"))
+            if excluded:  # timed calls that captured CUDA graphs or compiled (bench_serving.steady_calls)
+                note = "; ".join(filter(None, [note, f"{excluded} calls excluded (graphs captured or compiled)"]))
             for key, unit, higher in (("tokens_per_s", "tokens/s", True), ("itl_ms", "ms inter-token", False),
                                       ("ttft_ms", "ms to first token", False)):
-                out.append({**common, "path": "generate_batch", "model": model, "tp": meta["world"],
-                            "case": f"{requests} requests, {unit}", "unit": unit, "off": round(r["off"][key], 3),
-                            "on": round(r["on"][key], 3), "speed": speed(r["off"][key], r["on"][key], higher),
-                            "note": note})
+                row = {**common, "path": "generate_batch", "model": model, "tp": meta["world"],
+                       "case": f"{requests} requests, {unit}", "unit": unit, "off": round(r["off"][key], 3),
+                       "on": round(r["on"][key], 3), "speed": speed(r["off"][key], r["on"][key], higher), "note": note}
+                calls = [(a[key], b[key]) for a, b in zip(r["off"].get("calls", []), r["on"].get("calls", []))]
+                if len(calls) > 1:  # the i-th timed calls of off and on (at the same time where run apart)
+                    ratios = [speed(a, b, higher) for a, b in calls]
+                    row.update(spread=[min(ratios), max(ratios)], pairs=len(ratios))
+                out.append(row)
     for row in out:
         row["machine"] = machine_key(meta, common["date"])
         if meta.get("fake_world") or meta.get("shared_gpu"):  # collectives that compute nothing, or ranks taking turns
@@ -270,8 +277,9 @@ def plot(rows: list[dict], title: str, png: Path) -> None:
     for y, r in zip(ys, rows):
         lo, hi = r.get("spread", (r["speed"], r["speed"]))
         ax.barh(y, r["speed"] - 1, left=1, color=colors.get(r["path"], "tab:gray"), alpha=0.8)
-        if "spread" in r:
-            ax.errorbar(r["speed"], y, xerr=[[r["speed"] - lo], [hi - r["speed"]]], color="black", capsize=2, lw=0.8)
+        if "spread" in r:  # a ratio of medians may fall outside its paired calls' range
+            ax.errorbar(r["speed"], y, xerr=[[max(0.0, r["speed"] - lo)], [max(0.0, hi - r["speed"])]], color="black",
+                        capsize=2, lw=0.8)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.axvline(BAR, color="red", lw=0.8, ls=":", label="0.98: never slower")
     ax.set_yticks(ys, [f"{r['path']}, TP={r['tp']}, {r['model']}, {r['case']}"

@@ -275,6 +275,48 @@ def test_excluded_pairs_and_spread():
     assert out["off"]["fixed_ms"] == pytest.approx(50)
 
 
+def test_profiles_run_after_every_variants_pairs_are_saved():
+    """On GPU the profiler runs once every variant's pairs are measured and saved, within the budget:
+    a profiled call that never returns (a TP=4 generate() on 4xH100, 2026-11-27) costs the profile
+    only. A failed variant is not profiled."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import decode_host
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    import time
+
+    events = []
+
+    class Runner:
+        def __init__(self, b, name):
+            pass
+
+        def variant(self, sample, batch):
+            if batch == 4:
+                raise RuntimeError("boom")
+            return {}
+
+    def measure(b, runners, calls, progress):
+        events.append("measure")
+        config = lambda ms: {"ms_per_token": ms, "ms_per_token_spread": {"min": ms, "max": ms}, "fixed_ms": 5.0,  # noqa: E731
+                             "fused_sites": 0}
+        return {"off": config(2.0), "on": config(1.0), "valid_pairs": 2, "excluded_pairs": 0, "excluded_why": {}}
+
+    b = types.SimpleNamespace(args=types.SimpleNamespace(configs=["off", "on"], gen_variants=["greedy:1", "greedy:4", "sample:8"],
+                                                         pairs=2, lengths=[32, 8], prompt=16, budget_s=1000, strict=False),
+                              cuda=True, rank=1, model=None, compiled={}, result={"phases": {}}, started=time.time(),
+                              save=lambda: events.append("save"), say=lambda *_: None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(decode_host.RUNNERS, "generate", Runner)
+        mp.setattr(decode_host, "forget_compiles", lambda model: None)
+        mp.setattr(decode_host, "measure_variant", measure)
+        mp.setattr(decode_host, "profile_variant", lambda b, runners, calls, row, progress: events.append("profile"))
+        result = decode_host.run_host_phase(b, "generate")
+    assert events == ["measure", "save", "save", "measure", "save", "profile", "save", "profile", "save"]
+    assert "error" in result["variants"]["greedy_b4"] and result["variants"]["sample_b8"]["on"]["ms_per_token"] == 1.0
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_fake_world_is_one_process_standing_for_rank_zero(result):

@@ -90,10 +90,11 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
     pytest.importorskip("matplotlib")
     meta = {**META, "prompt": 512, "new": 128, "cuda_graphs": True}
     mix = lambda tps, itl: {"tokens_per_s": tps, "itl_ms": itl, "ttft_ms": 100.0}  # noqa: E731
+    timed = lambda *tps: {"calls": [{"tokens_per_s": t, "itl_ms": 25.0, "ttft_ms": 100.0} for t in tps]}  # noqa: E731
     write(tmp_path / "serve2_configs_off", "serving_llama_w2.json", {"meta": meta, "configs": {"off": {}},
-          "mixes": {"1": {"off": mix(40.0, 25.0)}, "16": {"off": mix(500.0, 30.0)}}})
+          "mixes": {"1": {"off": mix(40.0, 25.0)}, "16": {"off": {**mix(500.0, 30.0), **timed(500.0, 520.0)}}}})
     write(tmp_path / "serve2_configs_on", "serving_llama_w2.json", {"meta": meta, "configs": {"on": {}},
-          "mixes": {"1": {"on": mix(42.0, 23.8)}, "16": {"on": mix(560.0, 28.0)}}})
+          "mixes": {"1": {"on": mix(42.0, 23.8)}, "16": {"on": {**mix(560.0, 28.0), **timed(550.0, 572.0)}}}})
     write(tmp_path / "serve4_configs_on", "serving_llama_w4.json", {"meta": {**meta, "world": 4},
           "configs": {"on": {}}, "mixes": {"1": {"on": mix(50.0, 20.0)}}})
     matrix.report([str(tmp_path)], tmp_path / "out", "m")
@@ -101,5 +102,8 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
     assert {r["tp"] for r in rows} == {2} and len(rows) == 6
     tps = {r["case"]: r for r in rows if r["unit"] == "tokens/s"}
     assert tps["16 requests, tokens/s"]["speed"] == 1.12 and "two GPU pairs" in tps["16 requests, tokens/s"]["note"]
+    # The spread pairs the i-th timed calls: 550 / 500 and 572 / 520.
+    assert tps["16 requests, tokens/s"]["spread"] == [1.1, 1.1] and tps["16 requests, tokens/s"]["pairs"] == 2
+    assert "spread" not in tps["1 requests, tokens/s"]
     itl = {r["case"]: r for r in rows if r["unit"] == "ms inter-token"}
     assert itl["1 requests, ms inter-token"]["speed"] == pytest.approx(25.0 / 23.8, abs=1e-4)

@@ -1,0 +1,74 @@
+"""benchmarks/bench_serving.py: its serving metrics from per-token timestamps, which timed calls
+count (none that captured a CUDA graph or compiled), and a run on two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_serving  # noqa: E402
+
+sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_metrics_from_timestamps():
+    out = lambda created, stamps: types.SimpleNamespace(created_time=created, timestamps=stamps,  # noqa: E731
+                                                        generated_tokens=[0] * len(stamps))
+    m = bench_serving.serving_metrics({"a": out(0.0, [0.1, 0.12, 0.14]), "b": out(0.05, [0.2, 0.23])})
+    assert m["ttft_ms"] == pytest.approx(125)  # median of 100 and 150
+    assert m["itl_ms"] == pytest.approx(20) and m["itl_p90_ms"] == pytest.approx(30)
+    assert m["tokens_per_s"] == pytest.approx(5 / 0.23) and m["new_tokens"] == 5
+
+
+def test_calls_that_capture_or_compile_are_excluded_and_counted(monkeypatch):
+    """Calls 1 and 3 capture a CUDA graph, call 4 compiles: the steady ones are 0, 2, 5."""
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda self, *a, **k: None)
+    made = []
+
+    def call():
+        n = len(made)
+        made.append(n)
+        if n in (1, 3):
+            torch.cuda.CUDAGraph.capture_begin(object())
+        if n == 4:
+            torch._dynamo.utils.counters["stats"]["unique_graphs"] += 1
+        return {"ttft_ms": float(n)}
+
+    steady, excluded = bench_serving.steady_calls(call, 3)
+    assert [c["ttft_ms"] for c in steady] == [0.0, 2.0, 5.0]
+    assert [(c["ttft_ms"], c["captured"], c["compiled"]) for c in excluded] == [(1.0, 1, 0), (3.0, 1, 0), (4.0, 0, 1)]
+    made.clear()
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda self, *a, **k: None)
+
+    def always_capturing():
+        torch.cuda.CUDAGraph.capture_begin(object())
+        return {"ttft_ms": 1.0}
+
+    steady, excluded = bench_serving.steady_calls(always_capturing, 2)  # gives up after 2 x repeats
+    assert steady == [] and len(excluded) == 4
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_off_and_on_on_two_gloo_ranks(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           "29731", str(ROOT / "benchmarks" / "bench_serving.py"), "--cpu", "--tiny", "--mixes", "1,2",
+                           "--repeats", "1", "--prompt", "16", "--new", "4", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "serving_llama_w2.json").read_text())
+    assert result["configs"]["off"]["fused_sites"] == 0 and result["configs"]["on"]["fused_sites"] > 0
+    for requests in ("1", "2"):
+        row = result["mixes"][requests]
+        assert row["tokens"]["ok"] and row["on"]["new_tokens"] == 4 * int(requests)
+        assert row["off"]["steady"] and len(row["on"]["calls"]) == 1 and "excluded_calls" in row["on"]
