@@ -2,6 +2,7 @@
 
     python benchmarks/matrix.py plan                          # the stages: GPUs, time limit, command
     python benchmarks/matrix.py run decode2@0,1+generate2@2,3 decode4 generate4 --out $OUT/m --deadline 560
+    python benchmarks/matrix.py run "serve2@0,1:--configs=off+serve2@2,3:--configs=on" --out $OUT/m --deadline 550
     python benchmarks/matrix.py report $OUT/m ... --out docs/data/matrix   # JSON + PNG + table per machine
 
 `run` takes groups in order; the stages of one group (joined by "+") run at the same time, each on
@@ -11,7 +12,8 @@ runs it with that transformers, installed apart). Each stage runs under its own 
 is left of --deadline, and writes its JSON and log under --out/STAGE. Off and on always run in one
 process (or, for serving, in one stage), so every ratio comes from one machine. A decode stage
 compiles six graphs (off, on, floor; batch 1 and the dynamic batch): beside another stage's
-compiles it did not finish in 465 s on 4×H100 (2026-11-27), so give it the host alone.
+compiles it did not finish in 465 s on 4×H100 (2026-11-27), so give it the host alone. A serve
+stage runs one config at a time (:--configs=off, :--configs=on), and `report` joins the two files.
 
 `report` reads every result JSON under the folders given (bench_fused_op.py's bench_*_w*.json,
 bench_hf_decode.py's decode_*.json, bench_serving.py's serving_*.json), groups them by machine
@@ -64,8 +66,12 @@ STAGES = {
                              "HF generate(), greedy and sampling, batch 1 and 8, 8 interleaved pairs") for n in (2, 4)},
     **{f"prefill{n}": Stage(n, 420, "bench_hf_decode.py", f"{PREFILL} --tag prefill",
                             "prefill 512/2048/8192, with and without the quantized all-reduce") for n in (2, 4)},
-    **{f"serve{n}": Stage(n, 560, "bench_serving.py", "--mixes 1,16,64 --repeats 2",
-                          "generate_batch at 1/16/64 requests: TTFT, ITL, tokens/s") for n in (2, 4)},
+    # A config's first call (compile, capture) takes ~230 s at 32 layers on H100: off and on of one
+    # stage do not fit one call. serve2: off and on at once on two GPU pairs (serve2@0,1:--configs=off
+    # + serve2@2,3:--configs=on); serve4: off and on in back-to-back calls.
+    **{f"serve{n}": Stage(n, 560, "bench_serving.py", "--mixes 1,16,64 --repeats 6",
+                          "generate_batch at 1/16/64 requests: TTFT, ITL, tokens/s (one config per run: :--configs=off)")
+       for n in (2, 4)},
     "decode4_70b": Stage(4, 560, "bench_hf_decode.py", "--model-type llama70b --layers 20 --phases decode --floor "
                          "--batches 1 8 32 --replays 100 --tag decode70b",
                          "Llama-3-70B shape (20 of 80 layers: 35 GB of weights to write and load) decode step, with the floor"),
