@@ -193,6 +193,9 @@ def main() -> int:
     p.add_argument("--configs", default="off,on")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--max-memory-percent", type=float, default=0.5, help="of free GPU memory for the KV cache")
+    p.add_argument("--kv-padding", type=int, default=0, metavar="TOKENS",
+                   help="transformers' kv_padding_interval_size (0: its default, 16384): a varlen step reads the "
+                        "cache padded to a multiple of this many tokens")
     p.add_argument("--backend", default="auto")
     p.add_argument("--fake-world", type=int, default=0, metavar="N")
     p.add_argument("--shared-gpu", action="store_true")
@@ -229,12 +232,15 @@ def main() -> int:
     cb = {"max_memory_percent": args.max_memory_percent} if cuda else {}
     if cuda:
         cb.update(num_blocks=None, max_batch_tokens=None)
+    if args.kv_padding:
+        cb["kv_padding_interval_size"] = args.kv_padding
     result = {"meta": {"command": f"{'python' if args.fake_world else f'torchrun --nproc-per-node {world}'} "
                                   f"benchmarks/bench_serving.py {' '.join(args.argv)}",
                        "date": time.strftime("%Y-%m-%d %H:%M"), "model_type": config.model_type,
                        "layers": config.num_hidden_layers, "hidden": config.hidden_size, "world": world,
                        "fake_world": args.fake_world, "shared_gpu": args.shared_gpu, "cuda_graphs": args.cuda_graphs,
                        "prompt": args.prompt, "new": args.new, "backend": backend, "prepared": prepared,
+                       "kv_padding": args.kv_padding or None,
                        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
                        "transformers": transformers.__version__}, "configs": {}, "mixes": {}}
     out = Path(args.out, f"serving_{config.model_type}_w{world}{'_fake' if args.fake_world else ''}"

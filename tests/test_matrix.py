@@ -97,6 +97,9 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
           "mixes": {"1": {"on": mix(42.0, 23.8)}, "16": {"on": {**mix(560.0, 28.0), **timed(550.0, 572.0)}}}})
     write(tmp_path / "serve4_configs_on", "serving_llama_w4.json", {"meta": {**meta, "world": 4},
           "configs": {"on": {}}, "mixes": {"1": {"on": mix(50.0, 20.0)}}})
+    # Another KV padding is another setup: its lone "off" joins nothing.
+    write(tmp_path / "serve2_kv", "serving_llama_w2.json", {"meta": {**meta, "kv_padding": 256},
+          "configs": {"off": {}}, "mixes": {"1": {"off": mix(60.0, 15.0)}}})
     matrix.report([str(tmp_path)], tmp_path / "out", "m")
     rows = json.loads((tmp_path / "out" / "matrix_m.json").read_text())["rows"]
     assert {r["tp"] for r in rows} == {2} and len(rows) == 6
