@@ -61,8 +61,8 @@ def test_calls_that_capture_or_compile_are_excluded_and_counted(monkeypatch):
 @pytest.mark.slow
 def test_off_and_on_on_two_gloo_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           "29731", str(ROOT / "benchmarks" / "bench_serving.py"), "--cpu", "--tiny", "--mixes", "1,2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(ROOT / "benchmarks" / "bench_serving.py"), "--cpu", "--tiny", "--mixes", "1,2",
                            "--repeats", "1", "--prompt", "16", "--new", "4", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
