@@ -19,9 +19,10 @@ warm-up is excluded from the medians and counted (with what happened); pairs are
 --pairs valid ones exist or twice as many were tried.
 
 Per config, alongside: the first calls' seconds, sites fused in the graphs its calls compiled,
-and on GPU, once every variant's pairs are measured and saved, the profiler over one call of each length: GPU kernels, GPU busy time (union of
-kernel intervals), CUDA-graph and single kernel launches from the host, per token by the same
-difference, and GPU busy / wall per token (how host-bound the path is).
+and on GPU, once every variant's pairs are measured and saved, the profiler over one call of
+each length: GPU kernels, GPU busy time (union of kernel intervals), CUDA-graph and single kernel
+launches from the host, per token by the same difference, and GPU busy / wall per token (how
+host-bound the path is).
 """
 
 from __future__ import annotations
