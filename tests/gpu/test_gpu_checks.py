@@ -136,6 +136,30 @@ def test_soak(mode, launch):
         assert m["calls"] > 0 and m["mismatches_all_ranks"] == 0, (m["mode"], m["mismatches_all_ranks"], m["worst"])
 
 
+@needs(gpus=2)
+def test_two_jobs_on_the_same_two_gpus(gpu_out):
+    """Two TP=2 jobs at once on GPUs 0 and 1 (two servers sharing a node): each its own torchrun,
+    FlashInfer workspaces and compile caches; both soak runs end with no wrong result and no hang."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gpu_launch import Launcher
+
+    def job(i: int):
+        return Launcher(gpu_out, f"two_jobs_{i}")(f"{GPU}/soak.py", "--calls", "3000", "--budget-s", "100",
+                                                  "--seed", str(i), "--out", "{out}", nproc=2,
+                                                  env={"SOAK_HANG_S": "240", "CUDA_VISIBLE_DEVICES": "0,1"},
+                                                  timeout=330)
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(job, (0, 1)))
+    for done in runs:
+        assert done.returncode == 0, done.tail()
+        report = done.json("soak.json")
+        assert report["backend"] == "flashinfer", report["backend"]
+        for m in report["modes"]:
+            assert m["calls"] > 0 and m["mismatches_all_ranks"] == 0, (m["mode"], m["mismatches_all_ranks"], m["worst"])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_fast_all_reduce(mode, launch):
     """check_fast_all_reduce.py: a LayerNorm block and a DeepSeek-V4-shaped hyper-connection block,
