@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import faulthandler
 import statistics
 import time
 
@@ -190,13 +191,22 @@ def spread(values: list[float]) -> dict:
             "min": round(min(values), 4), "max": round(max(values), 4), "n": len(values)}
 
 
+PROFILE_STACKS_AFTER_S = 120  # a profiled call still running then prints every thread's stack (once)
+
+
 def profile_call(call, n: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()  # ranks start together: a collective kernel waiting for a late peer is not GPU work
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        call(n)
-        torch.cuda.synchronize()
+    # A profiled TP=4 generate() call once never returned (4xH100, 2026-11-27): if one hangs again,
+    # the log shows where each rank's threads are.
+    faulthandler.dump_traceback_later(PROFILE_STACKS_AFTER_S)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call(n)
+            torch.cuda.synchronize()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     tally = kernel_tally(prof)
     return {"kernels": tally["kernels"], "gpu_busy_ms": tally["gpu_busy_us"] / 1e3,
             "graph_launches": tally["graph_launches"], "kernel_launches": tally["kernel_launches"]}
