@@ -40,6 +40,7 @@ sys.path.insert(0, str(HERE))
 from common import pyplot, save_json  # noqa: E402
 
 BAR = 0.98  # "never slower": on/off speed at or above this, beyond its spread
+PLOT_MIN, PLOT_MAX = 0.7, 1.6  # the plot's speed axis, widened where a median lies outside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +289,10 @@ def plot(rows: list[dict], title: str, png: Path) -> None:
         if "spread" in r:  # a ratio of medians may fall outside its paired calls' range
             ax.errorbar(r["speed"], y, xerr=[[max(0.0, r["speed"] - lo)], [max(0.0, hi - r["speed"])]], color="black",
                         capsize=2, lw=0.8)
+    # Every row's median in view; a spread reaching past [PLOT_MIN, PLOT_MAX] is cut at the frame.
+    ax.set_xlim(min(PLOT_MIN, *(r["speed"] - 0.05 for r in rows)), max(PLOT_MAX, *(r["speed"] + 0.05 for r in rows)))
+    for y, r in zip(ys, rows):
+        ax.annotate(f"{r['speed']:.3f}×", (r["speed"], y), xytext=(3, 3), textcoords="offset points", fontsize=6)
     ax.axvline(1.0, color="black", lw=0.8)
     ax.axvline(BAR, color="red", lw=0.8, ls=":", label="0.98: never slower")
     ax.set_yticks(ys, [f"{r['path']}, TP={r['tp']}, {r['model']}, {r['case']}"
