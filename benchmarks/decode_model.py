@@ -17,6 +17,7 @@ import torch._dynamo.utils
 import torch.distributed as dist
 
 import arfusion
+from arfusion.backends.flashinfer_dispatch import moe_finalize_opted_in
 from arfusion.hf import prepare_for_compile, tp_kwargs
 from common import floor_options, save_json, sync
 
@@ -209,6 +210,7 @@ class Bench:
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "arfusion": arfusion.__version__, "flashinfer": flashinfer_version(), "backend": a.backend,
             "init": a.init, "rank_of": a.rank_of, "weights": "in memory" if in_memory else "checkpoint, TP plan",
+            "moe_finalize": moe_finalize_opted_in(),  # FlashInfer's MoE finalize kernel, opt-in
             "load_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": command}
         if a.fake_world:

@@ -76,8 +76,11 @@ STAGES = {
     "decode4_70b": Stage(4, 560, "bench_hf_decode.py", "--model-type llama70b --layers 20 --phases decode --floor "
                          "--batches 1 8 32 --replays 100 --tag decode70b",
                          "Llama-3-70B shape (20 of 80 layers: 35 GB of weights to write and load) decode step, with the floor"),
+    # With FlashInfer's MoE finalize kernel: moe2:ARFUSION_FLASHINFER_MOE_FINALIZE=1 (its own folder).
     "moe2": Stage(2, 420, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --phases decode kernels --floor "
                   "--batches 1 8 --tag moe", "Qwen3-30B-A3B shape decode step, 24 of 48 layers, with the floor"),
+    "moe2dsv2": Stage(2, 420, "bench_hf_decode.py", "--model-type deepseek_v2 --phases decode kernels --floor "
+                      "--batches 1 8 --tag moe", "DeepSeek-V2-Lite shape decode step, all 27 layers, with the floor"),
 }
 
 
@@ -104,10 +107,12 @@ def parse_spec(spec: str) -> tuple[str, list[int] | None, dict, list[str]]:
     return name, devices, {k: v for k, v in pairs if not k.startswith("--")}, args
 
 
-def stage_folder(name: str, args: list[str]) -> str:
-    """The stage's results folder: its name, and its extra arguments (two runs of one stage in one
-    group, e.g. serve2 off and serve2 on on two GPU pairs, write apart)."""
-    return "_".join([name] + [re.sub(r"[^A-Za-z0-9.]+", "", a) for a in args])
+def stage_folder(name: str, args: list[str], env: dict | None = None) -> str:
+    """The stage's results folder: its name, its variables (a wheel by its file name) and its extra
+    arguments, so that two runs of one stage (serve2 off and on at once, moe2 with and without the
+    MoE finalize kernel) write apart."""
+    sets = [f"{k}{Path(v).stem if k == 'TRANSFORMERS_WHEEL' else v}" for k, v in (env or {}).items()]
+    return "_".join([name] + [re.sub(r"[^A-Za-z0-9.]+", "", a) for a in sets + args])
 
 
 def stage_command(name: str, out: Path, slot: int, limit_s: float, args: list[str] = ()) -> list[str]:
@@ -148,7 +153,7 @@ def run(groups: list[str], out: Path, deadline_s: float) -> int:
             if limit < 60:
                 print(f"=== {name} skipped: {left:.0f} s left before the deadline", flush=True)
                 continue
-            folder = out / stage_folder(name, args)
+            folder = out / stage_folder(name, args, extra)
             folder.mkdir(parents=True, exist_ok=True)
             env = stage_env(devices, dict(extra))
             cmd = ["timeout", "-k", "10", str(int(limit))] + stage_command(name, folder, i, limit, args)
@@ -203,7 +208,8 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
                         "off": round(r[off], 2), "on": round(r[on], 2), "speed": speed(r[off], r[on]),
                         "note": r.get("b_path", "") + (" (off: Inductor alone)" if off == "ur_us" else "")})
     elif path.name.startswith("decode_"):
-        model = f"{meta['model_type']} {meta['layers']}L h{meta['hidden']}"
+        model = f"{meta['model_type']} {meta['layers']}L h{meta['hidden']}" + (", MoE finalize" if meta.get("moe_finalize")
+                                                                                else "")
         tp, phases = meta["world"], data["phases"]
         for r in phases.get("decode", {}).get("rows", []):
             row = {**common, "path": "decode step (CUDA graph)", "model": model, "tp": tp, "case": f"batch {r['batch']}",

@@ -26,6 +26,9 @@ def test_stage_specs_and_commands():
     assert cmd[-5:] == ["--batches", "8", "32", "--out", "/o"] and cmd.index("--floor") < cmd.index("8")
     assert matrix.stage_folder("serve2", ["--configs", "off"]) == "serve2_configs_off"
     assert matrix.stage_folder("serve2", []) == "serve2"
+    assert matrix.stage_folder("moe2", [], {"ARFUSION_FLASHINFER_MOE_FINALIZE": "1"}) == "moe2_ARFUSIONFLASHINFERMOEFINALIZE1"
+    assert matrix.stage_folder("generate2", [], {"TRANSFORMERS_WHEEL": ".whl/transformers-5.24.0-py3-none-any.whl"}) \
+        == "generate2_TRANSFORMERSWHEELtransformers5.24.0py3noneany"
     with pytest.raises(SystemExit, match="takes 4 GPUs"):
         matrix.parse_spec("decode4@0,1")
     with pytest.raises(SystemExit, match="unknown stage"):
@@ -110,3 +113,12 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
     assert "spread" not in tps["1 requests, tokens/s"]
     itl = {r["case"]: r for r in rows if r["unit"] == "ms inter-token"}
     assert itl["1 requests, ms inter-token"]["speed"] == pytest.approx(25.0 / 23.8, abs=1e-4)
+
+
+def test_moe_rows_say_when_the_finalize_kernel_ran(tmp_path):
+    meta = {**META, "model_type": "qwen3_moe", "layers": 24, "hidden": 2048}
+    step = {"decode": {"rows": [{"batch": 1, "off_ms": 5.0, "on_ms": 4.0}]}}
+    write(tmp_path / "moe2", "decode_qwen3_moe_w2_moe.json", {"meta": meta, "phases": step})
+    write(tmp_path / "moe2_fin", "decode_qwen3_moe_w2_moe.json", {"meta": {**meta, "moe_finalize": True}, "phases": step})
+    rows = [r for f in sorted(tmp_path.rglob("*.json")) for r in matrix.rows_from(f)]
+    assert sorted(r["model"] for r in rows) == ["qwen3_moe 24L h2048", "qwen3_moe 24L h2048, MoE finalize"]
