@@ -9,10 +9,10 @@
 the GPUs after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host. A stage may
 set variables after ":" (generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl
 runs it with that transformers, installed apart). Each stage runs under its own limit, cut to what
-is left of --deadline, and writes its JSON and log under --out/STAGE. Off and on run in one
-process (serving: in two stages at once on two GPU pairs, or back to back on the same warm host),
-so every ratio comes from one machine. A decode stage
-compiles six graphs (off, on, floor; batch 1 and the dynamic batch): beside another stage's
+is left of --deadline, and writes its JSON and log under --out/STAGE (the folder's name adds the
+stage's variables and arguments). Off and on run in one process (serving: in two stages at once
+on two GPU pairs, or back to back on the same warm host), so every ratio comes from one machine.
+A decode stage compiles six graphs (off, on, floor; batch 1 and the dynamic batch): beside another stage's
 compiles it did not finish in 465 s on 4×H100 (2026-11-27), so give it the host alone. A serve
 stage runs one config at a time (:--configs=off, :--configs=on), and `report` joins the two files.
 
