@@ -267,9 +267,11 @@ def fake_gloo_groups() -> Iterator[None]:
         dist.new_group = new_group
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
+class LogLines(logging.Handler):
+    """Keeps the messages of the records it handles, at `level` and above, in `lines`."""
+
+    def __init__(self, level: int = logging.INFO):
+        super().__init__(level)
         self.lines: list[str] = []
 
     def emit(self, record):
@@ -280,7 +282,7 @@ class _Lines(logging.Handler):
 def _arfusion_log() -> Iterator[list[str]]:
     """The `arfusion` logger's INFO lines meanwhile (its level restored afterwards)."""
     log = logging.getLogger("arfusion")
-    handler, level = _Lines(), log.level
+    handler, level = LogLines(), log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:

@@ -15,25 +15,16 @@ import pytest
 import torch
 
 from arfusion import noise
-from arfusion.testing import fake_world
+from arfusion.testing import LogLines, fake_world
 
 transformers = pytest.importorskip("transformers")
-
-
-class Kept(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 @pytest.fixture
 def heard(monkeypatch):
     """A handler on each logger of `noise.KNOWN`, with no filter on it (another test of this process
     may have installed them: `arfusion check` does); the loggers' filters as they were afterwards."""
-    kept = Kept()
+    kept = LogLines(logging.DEBUG)
     for name, _, _ in noise.KNOWN:
         logger = logging.getLogger(name)
         monkeypatch.setattr(logger, "filters", [])
@@ -79,7 +70,7 @@ def test_continuous_batching_on_a_cpu_is_asked_only_what_it_runs(monkeypatch):
     from arfusion.hf.continuous_batching import cb_config, decode_fast_path
 
     monkeypatch.delenv("NCCL_GRAPH_MIXING_SUPPORT", raising=False)
-    warned = Kept()
+    warned = LogLines(logging.DEBUG)
     loggers = [logging.getLogger(n) for n in ("ContinuousBatchingLogger", "transformers.generation.configuration_utils")]
     for logger in loggers:
         logger.addHandler(warned)
