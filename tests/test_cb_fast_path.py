@@ -138,9 +138,12 @@ def test_transformers_takes_the_fast_path_with_the_eager_tokens(llama, flash_att
 
 
 def test_every_site_fuses_on_the_fast_path_as_on_the_default_path(llama, flash_attention_2, prepared):
+    """Every graph (however many the scheduler's shapes make: one, or two after a recompile when a
+    loaded machine admits the prompts over several steps) is whole and has its 5 sites fused."""
     default = generate_batch(llama, PROMPTS, NEW_TOKENS, config=PASS)
-    assert default.report.graphs == 1 and not default.report.stats["split_by_graph_breaks"], default.report
-    assert_fused(default.report, all_reduces=5, left=0)
+    assert default.report.graphs >= 1 and not default.report.stats["split_by_graph_breaks"], default.report
+    assert default.report.all_reduces == 5 * default.report.graphs, default.report
+    assert_fused(default.report, left=0)
     torch._dynamo.reset()
     calls = flash_attention_2(llama)
     eager = generate_batch(llama, PROMPTS, NEW_TOKENS, compiled=False)
