@@ -101,7 +101,8 @@ def test_the_next_call_reuses_the_graphs_with_its_new_cache(prepared):
         eager = generate_batch(model, PROMPTS, NEW_TOKENS, compiled=False)
         first = generate_batch(model, PROMPTS, NEW_TOKENS, config=PASS)
         second = generate_batch(model, PROMPTS[::-1], NEW_TOKENS, config=PASS)
-    assert first.report.fused == 5 and second.report.graphs == 0, second.report
+    assert first.report.fused == 5 * first.report.graphs >= 5, first.report  # one graph, or two after a recompile
+    assert second.report.graphs == 0, second.report
     assert second.tokens == {f"req_{i}": eager.tokens[f"req_{2 - i}"] for i in range(3)}
     assert len(paged_cache._caches) <= 1  # the caches of finished calls are gone
 
