@@ -138,8 +138,9 @@ def test_transformers_takes_the_fast_path_with_the_eager_tokens(llama, flash_att
 
 
 def test_every_site_fuses_on_the_fast_path_as_on_the_default_path(llama, flash_attention_2, prepared):
-    """Every graph (however many the scheduler's shapes make: one, or two after a recompile when a
-    loaded machine admits the prompts over several steps) is whole and has its 5 sites fused."""
+    """Every graph is whole and has its 5 sites fused, however many the run compiles: here one, but a
+    recompile for new shapes makes two (CI on torch 2.11 saw it once; examples/serve_continuous_batching.py's
+    8 requests always make two)."""
     default = generate_batch(llama, PROMPTS, NEW_TOKENS, config=PASS)
     assert default.report.graphs >= 1 and not default.report.stats["split_by_graph_breaks"], default.report
     assert default.report.all_reduces == 5 * default.report.graphs, default.report
