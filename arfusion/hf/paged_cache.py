@@ -108,6 +108,7 @@ FLASH_OP = "arfusion::hf_paged_flash_kvcache"
 # The keywords transformers 5.24 passes to flash_attn_with_kvcache (FA2: block_table; FA3: page_table,
 # max_seqlen_q; sink kernels: s_aux or learnable_sink), by kind.
 FLASH_TENSOR_KEYS = ("block_table", "page_table", "cache_seqlens", "s_aux", "learnable_sink")
+# The constants in the op's order of arguments.
 FLASH_CONSTANT_KEYS = ("causal", "softmax_scale", "window_size", "softcap", "dropout_p", "deterministic",
                        "max_seqlen_q", "max_seqlen_k")
 # The kernels behind the replaced wrappers, by name (the op takes the name).
@@ -132,10 +133,9 @@ def paged_flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise RuntimeError(f"arfusion: {FLASH_OP} got cache tensors that are not a paged KV cache arfusion prepared "
                            "(made before arfusion.hf.prepare_for_compile, freed, or copied by the compiler)")
     keywords: dict[str, Any] = dict(zip(tensor_keys.split(","), tensors)) if tensor_keys else {}
-    constants = {"causal": causal, "softmax_scale": softmax_scale, "softcap": softcap, "dropout_p": dropout_p,
-                 "deterministic": deterministic, "max_seqlen_q": max_seqlen_q, "max_seqlen_k": max_seqlen_k,
-                 "window_size": None if window_size is None else tuple(window_size)}
-    keywords.update({key: value for key, value in constants.items() if value is not None})
+    window = None if window_size is None else tuple(window_size)
+    constants = (causal, softmax_scale, window, softcap, dropout_p, deterministic, max_seqlen_q, max_seqlen_k)
+    keywords.update({key: value for key, value in zip(FLASH_CONSTANT_KEYS, constants) if value is not None})
     out = _kernels[kernel](q, k_cache, v_cache, k, v, **keywords)
     return _dense(out[0] if isinstance(out, tuple) else out, q)
 
@@ -160,11 +160,11 @@ def _flash_kvcache_in_graph(disabled: Callable, kernel: Callable) -> Callable:
             return disabled(q, k_cache, v_cache, k, v, **keywords)
         tensor_keys = ",".join(key for key, value in keywords.items() if isinstance(value, torch.Tensor))
         tensors = [value for value in keywords.values() if isinstance(value, torch.Tensor)]
-        window = keywords.get("window_size")
-        return torch.ops.arfusion.hf_paged_flash_kvcache(
-            q, k_cache, v_cache, k, v, tensors, tensor_keys, keywords.get("causal"), keywords.get("softmax_scale"),
-            None if window is None else list(window), keywords.get("softcap"), keywords.get("dropout_p"),
-            keywords.get("deterministic"), keywords.get("max_seqlen_q"), keywords.get("max_seqlen_k"), name)
+        constants = {key: keywords.get(key) for key in FLASH_CONSTANT_KEYS}
+        if constants["window_size"] is not None:
+            constants["window_size"] = list(constants["window_size"])  # a custom op takes a list, not a tuple
+        return torch.ops.arfusion.hf_paged_flash_kvcache(q, k_cache, v_cache, k, v, tensors, tensor_keys,
+                                                         *constants.values(), name)
 
     flash_attn_with_kvcache._arfusion_disabled = disabled
     return flash_attn_with_kvcache
