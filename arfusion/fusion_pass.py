@@ -136,6 +136,7 @@ class GraphRun:
         self.all_reduces: list[torch.fx.Node] = []
         self.scope = policy.Scope(config)
         self._ops = 0
+        self._said: dict[tuple[str, str], list[str]] = {}  # (separator, message) -> the all-reduces it is about
 
     @classmethod
     def open(cls, graph: torch.fx.Graph, config: PassConfig) -> "GraphRun":
@@ -185,8 +186,12 @@ class GraphRun:
 
     def fused(self, found: patterns.Found, op: policy.FusedOp) -> policy.Choice:
         for note in op.notes:
-            log.info("arfusion: %s: %s", found.all_reduce.name, note)
+            self._say(found.all_reduce.name, ": ", note)
         return policy.fused(found, op)
+
+    def _say(self, all_reduce: str, separator: str, message: str) -> None:
+        """An INFO message about one all-reduce, said at `close` once for all those it is about."""
+        self._said.setdefault((separator, message), []).append(all_reduce)
 
     def record(self, decision: Decision) -> None:
         self.decisions.append(decision)
@@ -194,14 +199,16 @@ class GraphRun:
         if decision.fate in (Fate.FUSED, Fate.MERGED):
             return
         self.reasons.append(decision.not_fused)
-        log.info("arfusion: %s not fused: %s", decision.all_reduce, decision.not_fused)
+        self._say(decision.all_reduce, " not fused: ", str(decision.not_fused))
         if decision.not_fast is not None and decision.not_fast.code is not Why.FAST_PATH_OFF:
-            log.info("arfusion: %s not on the fast path either: %s", decision.all_reduce, decision.not_fast)
+            self._say(decision.all_reduce, " not on the fast path either: ", str(decision.not_fast))
 
     def close(self) -> None:
         """Graph order, dead code, the stats and the graph's INFO line."""
         if not self.all_reduces and not self.reasons:
             return
+        for (separator, message), names in self._said.items():
+            log.info("arfusion: %s%s%s", _name_all(names), separator, message)
         graph = self.graph
         stable_topological_sort(graph)
         graph.eliminate_dead_code()
@@ -216,6 +223,13 @@ class GraphRun:
             log.info("arfusion: fused %d site(s) %s; %d all_reduce left unfused%s%s", sum(fused.values()),
                      dict(fused) or "", left, f", {sum(fast.values())} of them on the fast path {dict(fast)}"
                      if fast else "", f"; {moved} of them run on the caller's stream" if moved else "")
+
+
+def _name_all(names: list[str]) -> str:
+    """all_reduce_3; all_reduce_3, all_reduce_5; all_reduce_3, all_reduce_5 ... all_reduce_65 (32 all-reduces)."""
+    if len(names) <= 2:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]} ... {names[-1]} ({len(names)} all-reduces)"
 
 
 # ---------------------------------------------------------------- installation

@@ -159,16 +159,15 @@ def _fused_op(variant: Site, found: Found, scope: Scope, backend: Backend) -> tu
     config = scope.config
     call = _site_call(variant)
     caps = Caps.of(config, call.world_size)
-    codec = config.quantized_allreduce
+    codec, notes = config.quantized_allreduce, []
     if codec:
         refused = backend.codec_why_not(call, codec, caps.codec_min)
         if refused:
-            log.info("arfusion: %s: exact all-reduce, not %s: %s", found.all_reduce.name, codec, refused)
+            notes.append(f"exact all-reduce, not {codec}: {refused}")
             codec = None
     path, reason = route(backend, call, caps, codec)
     if path is Route.UNFUSED:
         return None, reason
-    notes = []
     kernel_refusal = backend.why_not(call, caps.fused) if path is Route.CODEC else None
     if kernel_refusal:
         notes.append(f"rewritten for the {codec} quantized all-reduce (fused kernel: {kernel_refusal})")
@@ -182,12 +181,13 @@ def _fused_op(variant: Site, found: Found, scope: Scope, backend: Backend) -> tu
         refused = moe_combine_refusal(backend, call, combine.top_k, None, caps, codec,
                                       scope.other_collectives[call.group_name])
         if refused:
-            log.info("arfusion: %s: MoE top-k combine left to Inductor, the site fuses alone: %s",
-                     found.all_reduce.name, refused)
+            notes.append(f"MoE top-k combine left to Inductor, the site fuses alone: {refused}")
             combine = None
         else:
             notes.append(f"MoE top-k combine (K={combine.top_k}) fused into the site's op"
                          + (f", with its factor {combine.routed_scale:g}" if combine.routed_scale != 1.0 else ""))
+    elif found.no_combine and config.fuse_moe_combine and _sums_experts(variant):
+        notes.append(f"no MoE top-k combine fused: {found.no_combine}")
     return FusedOp(variant, _op_args(config, caps, codec), combine, tuple(notes)), None
 
 
@@ -198,10 +198,9 @@ def decide(found: Found, scope: Scope) -> Choice:
     if site is None:
         reason, broken = _split_by_graph_break(found.no_site) if found.no_site.returned else (found.no_site.reason, "")
         return unfused(found.all_reduce, reason, scope, declined=False, graph_break=broken)
-    if found.no_combine and scope.config.fuse_moe_combine:
-        # Dense sites (a matmul feeds the all-reduce) are not worth a line each.
-        level = logging.INFO if site.region.x.target is torch.ops.aten.sum.dim_IntList else logging.DEBUG
-        log.log(level, "arfusion: %s: no MoE top-k combine fused: %s", found.all_reduce.name, found.no_combine)
+    if found.no_combine and scope.config.fuse_moe_combine and not _sums_experts(site):
+        # Dense sites (a matmul feeds the all-reduce) are not worth a line each; MoE sites say it as a note.
+        log.debug("arfusion: %s: no MoE top-k combine fused: %s", found.all_reduce.name, found.no_combine)
     backend, reason = backends.resolve(scope.config.backend, site.norm_out.meta["val"].device)
     variants = []
     for variant in (site, site.without_quant()) if site.quant != "none" else (site,):
@@ -214,6 +213,11 @@ def decide(found: Found, scope: Scope) -> Choice:
         return unfused(found.all_reduce, reason, scope, declined=True)
     form = variants[0].site.form.name
     return Choice(Decision(found.all_reduce.name, Fate.FUSED, form=form), fuse=tuple(variants))
+
+
+def _sums_experts(site: Site) -> bool:
+    """The all-reduced value is a sum over experts (a MoE block's output), not a matmul's."""
+    return site.region.x.target is torch.ops.aten.sum.dim_IntList
 
 
 def fused(found: Found, op: FusedOp) -> Choice:

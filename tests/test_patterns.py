@@ -134,6 +134,18 @@ def test_size_cap_declines_at_compile_time_and_says_why(fake_pg, caplog):
     assert "not fused" in caplog.text and "cap 1048" in caplog.text
 
 
+def test_one_reason_is_said_once_for_all_the_all_reduces_it_holds_for(fake_pg, caplog):
+    """Five sites over the cap: one INFO line naming the five, not five lines."""
+    config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch", max_size_mb={2: 0},
+                                 fast_all_reduce=False)
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        fused, left, _ = compile_and_inspect(TinyDecoder(PATTERN_HIDDEN, 2),
+                                             torch.randn(1, 6, PATTERN_HIDDEN, dtype=torch.bfloat16), config=config)
+    assert fused == [] and left == 5
+    said = [r.getMessage() for r in caplog.records if " not fused: " in r.getMessage()]
+    assert len(said) == 1 and "(5 all-reduces) not fused: " in said[0] and "> cap 0" in said[0], said
+
+
 def _all_reduces_by_kind(module, *inputs, config):
     """Compile with the pass; count the all-reduces it leaves: (functional, on the caller's stream)."""
     seen = {}
