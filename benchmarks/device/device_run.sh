@@ -180,6 +180,11 @@ for s in "$@"; do
         stage "faults2-$c" "${LIMIT:-240}" $TORCHRUN 2 tests/gpu/check_faults.py --case $c \
           --cache /tmp/arfusion-fault-cache2 --out "$OUT/faults"
       done ;;
+    soak2+faults2)  # a 4-GPU host: the soak on GPUs 0,1 beside the faults on GPUs 2,3, waiting for both
+      (CUDA_VISIBLE_DEVICES=2,3 PET_MASTER_PORT=29611 bash "$0" faults2 > "$OUT/faults2.log" 2>&1) &
+      CUDA_VISIBLE_DEVICES=0,1 bash "$0" soak2
+      wait
+      grep -v "Warning" "$OUT/faults2.log" | tail -n 60 ;;
     loopfree1)  # LongCat-Flash's experts without their loop: numerics, whole-graph compile, CUDA graphs, time
       stage loopfree1 "${LIMIT:-300}" python tests/gpu/check_loop_free_experts.py --out "$OUT/loop_free" ;;
     loopfree1shared)  # the same model at TP=2 through the pass with FlashInfer (one GPU, two ranks)
