@@ -1,5 +1,6 @@
 """benchmarks/matrix.py: the stages it knows, how a run spreads them over GPUs, and its report
-(one row per measurement, the 0.98 bar, a table and a plot per machine) from result files."""
+(one row per measurement, the 0.98 bar, a table and a plot per machine) from result files;
+benchmarks/matrix_goals.py: the issue's goals against those rows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import matrix  # noqa: E402
+import matrix_goals  # noqa: E402
 
 sys.path.remove(str(BENCH))
 
@@ -122,3 +124,19 @@ def test_moe_rows_say_when_the_finalize_kernel_ran(tmp_path):
     write(tmp_path / "moe2_fin", "decode_qwen3_moe_w2_moe.json", {"meta": {**meta, "moe_finalize": True}, "phases": step})
     rows = [r for f in sorted(tmp_path.rglob("*.json")) for r in matrix.rows_from(f)]
     assert sorted(r["model"] for r in rows) == ["qwen3_moe 24L h2048", "qwen3_moe 24L h2048, MoE finalize"]
+
+
+def test_goals_read_each_row_by_its_measure():
+    """Times give the share saved, rates the gain; a goal without rows says "not measured"."""
+    common = {"versions": {"transformers": "5.24.0"}, "machine": "m"}
+    rows = [{**common, "path": "decode step (CUDA graph)", "model": "llama 32L h4096", "tp": 2, "case": "batch 1",
+             "speed": 1.25, "comm_removed_pct": 70.0},  # 5.0 -> 4.0 ms: 20% less time
+            {**common, "path": "generate_batch", "model": "llama 32L h4096", "tp": 2, "case": "16 requests, tokens/s",
+             "speed": 1.05, "spread": [0.99, 1.1], "pairs": 6}]
+    table = matrix_goals.goals_table(rows)
+    line = lambda what: next(x for x in table.splitlines() if x.startswith(f"| {what} |"))  # noqa: E731
+    assert "| 20.0% (batch 1, 5.24.0) |" in line("decode step, Llama-3-8B, batch 1, TP=2") and line(
+        "decode step, Llama-3-8B, batch 1, TP=2").endswith("| yes |")
+    assert line("all-reduce time removed, Llama-3-8B, batch 1, TP=2").endswith("| **no** |")
+    assert "5.0%" in line("generate_batch, 16 requests, tokens/s, TP=2") and "0.990–1.100× (6 pairs)" in table
+    assert "| not measured |" in line("decode step, Llama-3-8B, batch 1, TP=4")

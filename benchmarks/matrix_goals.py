@@ -1,0 +1,101 @@
+"""The speed goals of the matrix (issue 44), each against every matrix row that measures it.
+
+    python benchmarks/matrix_goals.py docs/data/matrix/matrix_*.json          # a markdown table
+
+A goal names the rows it reads (path, model, TP, case) and a bar on one number of each row:
+the share of time saved (1 - on/off, for times), the gain (on/off - 1, for rates), the on/off
+speed, or the share of the all-reduces' time removed. A goal with no row says "not measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from matrix import BAR  # noqa: E402
+
+
+def saved(row: dict) -> float:
+    """Time saved, as a share of "off" (a row of times: speed = off / on)."""
+    return 1 - 1 / row["speed"]
+
+
+def gain(row: dict) -> float:
+    """More per second, as a share of "off" (a row of rates: speed = on / off)."""
+    return row["speed"] - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    what: str
+    path: str  # the row's path starts with this
+    model: str  # ... its model with this
+    tp: int
+    case: str  # ... its case with this
+    measure: str  # "saved", "gain", "speed" or "removed"
+    bar: float
+
+    def value(self, row: dict) -> float | None:
+        if self.measure == "removed":
+            return None if row.get("comm_removed_pct") is None else row["comm_removed_pct"] / 100
+        return {"saved": saved, "gain": gain, "speed": lambda r: r["speed"]}[self.measure](row)
+
+    def rows(self, rows: list[dict]) -> list[dict]:
+        return [r for r in rows if r["path"].startswith(self.path) and r["model"].startswith(self.model)
+                and r["tp"] == self.tp and r["case"].startswith(self.case)]
+
+    def target(self) -> str:
+        return {"saved": f"≥ {self.bar:.0%} less time", "gain": f"≥ {self.bar:.0%} more",
+                "speed": f"≥ {self.bar:g}×", "removed": f"≥ {self.bar:.0%} removed"}[self.measure]
+
+    def shown(self, v: float) -> str:
+        return f"{v:.3f}×" if self.measure == "speed" else f"{v:.1%}"
+
+
+STEP, LLAMA8B, LLAMA70B = "decode step (CUDA graph)", "llama 32L h4096", "llama 20L h8192"
+GOALS = (
+    Goal("decode step, Llama-3-8B, batch 1, TP=2", STEP, LLAMA8B, 2, "batch 1", "saved", 0.15),
+    Goal("decode step, Llama-3-8B, batch 1, TP=4", STEP, LLAMA8B, 4, "batch 1", "saved", 0.22),
+    Goal("decode step, Llama-3-70B shape, batch 1, TP=4", STEP, LLAMA70B, 4, "batch 1", "saved", 0.10),
+    *(Goal(f"all-reduce time removed, {name}, batch 1, TP={tp}", STEP, model, tp, "batch 1", "removed", 0.75)
+      for name, model, tp in (("Llama-3-8B", LLAMA8B, 2), ("Llama-3-8B", LLAMA8B, 4), ("Llama-3-70B shape", LLAMA70B, 4))),
+    Goal("generate_batch, 16 requests, tokens/s, TP=2", "generate_batch", LLAMA8B, 2, "16 requests, tokens/s", "gain", 0.08),
+    Goal("generate_batch, 64 requests, tokens/s, TP=2", "generate_batch", LLAMA8B, 2, "64 requests, tokens/s", "gain", 0.08),
+    Goal("generate_batch, 1 request, inter-token latency, TP=2", "generate_batch", LLAMA8B, 2, "1 requests, ms inter-token",
+         "saved", 0.05),
+    *(Goal(f"HF generate(), never slower, TP={tp}", "HF generate()", "llama", tp, "", "speed", BAR) for tp in (2, 4)),
+    Goal("MoE decode step, Qwen3-30B-A3B shape, batch 1, TP=2", STEP, "qwen3_moe", 2, "batch 1", "saved", 0.10),
+    Goal("quantized all-reduce, 8 MiB per rank, TP=2", "site, quantized all-reduce", "", 2, "8 MiB", "speed", 1.2),
+)
+
+
+def goals_table(rows: list[dict]) -> str:
+    lines = ["| goal | target | measured | spread | machine | met |", "|---|---|---|---|---|---|"]
+    for goal in GOALS:
+        found = goal.rows(rows)
+        if not found:
+            lines.append(f"| {goal.what} | {goal.target()} | not measured | | | |")
+        for r in found:
+            v = goal.value(r)
+            spread = (f"{r['spread'][0]:.3f}–{r['spread'][1]:.3f}× ({r['pairs']} pairs)" if "spread" in r else "")
+            lines.append(f"| {goal.what} | {goal.target()} | {goal.shown(v)} ({r['case']}, {r['versions'].get('transformers', '')}) "
+                         f"| {spread} | {r['machine']} | {'yes' if v >= goal.bar else '**no**'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", type=Path, help="matrix_<machine>.json files (matrix.py report)")
+    args = p.parse_args(argv)
+    rows = [r for f in args.files for r in json.loads(f.read_text())["rows"]]
+    print(goals_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
