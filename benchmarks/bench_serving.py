@@ -28,6 +28,10 @@ either config. Greedy tokens
 of "on" against "off": identical up to the first step where the model's two best logits are
 within bf16 rounding (arfusion.testing.greedy_departures).
 
+--profile-host: one more call under cProfile (the generation thread's host time). --profile-kernels:
+one more call of the largest mix under torch.profiler (where the GPU time goes: attention, matmuls,
+copies, all-reduces), after the timed rows are saved.
+
 --fake-world N: one process standing for rank 0 of TP=N through torch's fake process group
 (collectives compute nothing): the host path, graphs and kernels of a TP=N rank, without peers;
 the pass runs its torch backend (FlashInfer needs peers). --shared-gpu: torchrun 2, both ranks on
@@ -152,6 +156,28 @@ def host_profile(path: Path):
                 pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(n)
 
 
+@contextlib.contextmanager
+def kernel_profile(path: Path, device: torch.device, into: dict):
+    """torch.profiler over the calls inside: what ran on the device (CUDA kernels, also inside
+    transformers' CUDA graphs; on CPU, the ops of every thread) by own time. The top 30 go to
+    `path` as a table, the top 10 into `into["kernels"]` with their share of the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)  # the generation thread's ops
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU],
+                 experimental_config=config) as prof:
+        yield
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    total = sum(getattr(e, key) for e in events) or 1.0
+    top = sorted(events, key=lambda e: -getattr(e, key))
+    into["kernels"] = [{"name": e.key[:120], "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
+                        "share": round(getattr(e, key) / total, 4)} for e in top[:10]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(events.table(sort_by=key, row_limit=30))
+
+
 def prompts_for(requests: int, length: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(requests)
     return torch.randint(3, vocab, (requests, length), generator=g).tolist()
@@ -202,6 +228,9 @@ def main() -> int:
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--profile-host", action="store_true",
                    help="one more call of the smallest mix per config under cProfile (host_profile_CONFIG_rankR.txt)")
+    p.add_argument("--profile-kernels", action="store_true",
+                   help="one more call of the largest mix per config under torch.profiler: where the device time "
+                        "goes (kernels_CONFIG_rankR.txt; the top 10 in the JSON)")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--out", default="results")
     args = p.parse_args()
@@ -278,13 +307,21 @@ def main() -> int:
             with host_profile(Path(args.out, f"host_profile_{name}_rank{rank}.txt")):
                 generate_batch(model, prompts[min(mixes)], args.new, config=passes[name], cuda_graphs=graphs,
                                record_timestamps=True, persistent=True, **cb)
+        profiled = {}
+        if args.profile_kernels:
+            if rank == 0:  # the timed rows first: a profiled call that never returns keeps them
+                save_json(str(out), result)
+            with kernel_profile(Path(args.out, f"kernels_{name}_rank{rank}.txt"), device, profiled):
+                generate_batch(model, prompts[max(mixes)], args.new, config=passes[name], cuda_graphs=graphs,
+                               record_timestamps=True, persistent=True, **cb)
         model.destroy_cached_continuous_batching_manager()
         # Its CUDA-graph pool goes now, not in a garbage collection during the next capture (torch 2.11 aborts).
         gc.collect()
         stats = arfusion.stats()
         result["configs"][name] = {"first_call_s": first.seconds, "fused_sites": stats["fused_sites"],
                                    "dispatch": stats["dispatch"], "dispatch_in_cuda_graphs": stats["dispatch_in_cuda_graphs"],
-                                   "split_by_graph_breaks": stats["split_by_graph_breaks"], "graphs": stats["graphs"]}
+                                   "split_by_graph_breaks": stats["split_by_graph_breaks"], "graphs": stats["graphs"],
+                                   **profiled}
         if rank == 0:
             save_json(str(out), result)
     for requests in mixes:

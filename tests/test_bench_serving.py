@@ -63,7 +63,8 @@ def test_off_and_on_on_two_gloo_ranks(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                            str(ROOT / "benchmarks" / "bench_serving.py"), "--cpu", "--tiny", "--mixes", "1,2",
-                           "--repeats", "1", "--prompt", "16", "--new", "4", "--out", str(tmp_path)],
+                           "--repeats", "1", "--prompt", "16", "--new", "4", "--profile-kernels",
+                           "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "serving_llama_w2.json").read_text())
@@ -72,3 +73,8 @@ def test_off_and_on_on_two_gloo_ranks(tmp_path):
         row = result["mixes"][requests]
         assert row["tokens"]["ok"] and row["on"]["new_tokens"] == 4 * int(requests)
         assert row["off"]["steady"] and len(row["on"]["calls"]) == 1 and "excluded_calls" in row["on"]
+    for name in ("off", "on"):  # --profile-kernels: where the time went, the generation thread's ops included
+        kernels = result["configs"][name]["kernels"]
+        assert len(kernels) == 10 and any(k["name"] == "aten::mm" for k in kernels), kernels
+        assert 0 < sum(k["share"] for k in kernels) <= 1.0001
+        assert "Self CPU" in (tmp_path / f"kernels_{name}_rank0.txt").read_text()
