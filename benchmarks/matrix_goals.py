@@ -82,6 +82,9 @@ def goals_table(rows: list[dict]) -> str:
             lines.append(f"| {goal.what} | {goal.target()} | not measured | | | |")
         for r in found:
             v = goal.value(r)
+            if v is None:  # a decode row measured without its floor
+                lines.append(f"| {goal.what} | {goal.target()} | no floor measured ({r['case']}) | | {r['machine']} | |")
+                continue
             spread = (f"{r['spread'][0]:.3f}–{r['spread'][1]:.3f}× ({r['pairs']} pairs)" if "spread" in r else "")
             lines.append(f"| {goal.what} | {goal.target()} | {goal.shown(v)} ({r['case']}, {r['versions'].get('transformers', '')}) "
                          f"| {spread} | {r['machine']} | {'yes' if v >= goal.bar else '**no**'} |")
