@@ -24,6 +24,7 @@ import gc
 import logging
 import math
 import os
+import re
 import time
 import types
 from collections import Counter
@@ -87,9 +88,19 @@ def describe_rewrites(rewrites: dict[str, int]) -> str:
 
 
 def not_fused_reasons(lines: list[str]) -> dict[str, int]:
-    """The `arfusion` logger's "... not fused: <reason>" lines, counted by reason."""
-    return dict(Counter(line.split("not fused", 1)[1].lstrip(" :;-").strip() or line
-                        for line in lines if "not fused" in line))
+    """The `arfusion` logger's "... not fused: <reason>" lines, counted by reason: a line says one
+    reason for the all-reduces it names ("all_reduce_3", "all_reduce_3, all_reduce_5", or
+    "all_reduce_3, all_reduce_5 ... all_reduce_9 (4 all-reduces)"), each counted."""
+    counts: Counter = Counter()
+    for line in lines:
+        if "not fused" not in line:
+            continue
+        head, _, reason = line.partition("not fused")
+        many = re.search(r"\((\d+) all-reduces\)\s*$", head)
+        names = re.fullmatch(r"\s*(?:arfusion:\s*)?(all_reduce\w*(?:, all_reduce\w*)*)\s*", head)
+        counts[reason.lstrip(" :;-").strip() or line] += (int(many.group(1)) if many else
+                                                         names.group(1).count(",") + 1 if names else 1)
+    return dict(counts)
 
 
 def _fmt_counts(counts: Counter) -> str:

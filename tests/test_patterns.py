@@ -11,6 +11,7 @@ from torch import nn
 
 import arfusion
 from arfusion.fusion_pass import ALL_REDUCE, ArFusionPass, ChainedPass
+from arfusion.testing import not_fused_reasons
 
 from .models import RowParallelThenNorm, TinyDecoder
 from .sites import PATTERN_HIDDEN, AllSpellings, compile_and_inspect, inputs
@@ -144,6 +145,8 @@ def test_one_reason_is_said_once_for_all_the_all_reduces_it_holds_for(fake_pg, c
     assert fused == [] and left == 5
     said = [r.getMessage() for r in caplog.records if " not fused: " in r.getMessage()]
     assert len(said) == 1 and "(5 all-reduces) not fused: " in said[0] and "> cap 0" in said[0], said
+    (reason,) = not_fused_reasons(said)  # which counts each all-reduce the line names
+    assert not_fused_reasons(said) == {reason: 5} and "> cap 0" in reason
 
 
 def _all_reduces_by_kind(module, *inputs, config):
