@@ -176,6 +176,7 @@ class Bench:
             handler.setFormatter(logging.Formatter("[arfusion] %(message)s"))
             logging.getLogger("arfusion").addHandler(handler)
             logging.getLogger("arfusion").setLevel(logging.INFO)
+            logging.getLogger("arfusion").propagate = False  # once, not again through a root handler set up later
 
     def say(self, *a):
         if self.rank == 0:
