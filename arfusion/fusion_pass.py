@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import re
 import time
 import uuid
 from collections import Counter
@@ -230,6 +231,16 @@ def _name_all(names: list[str]) -> str:
     if len(names) <= 2:
         return ", ".join(names)
     return f"{names[0]}, {names[1]} ... {names[-1]} ({len(names)} all-reduces)"
+
+
+def not_fused_reasons(lines: list[str]) -> dict[str, int]:
+    """The `arfusion` logger's "<all-reduces> not fused: <reason>" lines, counted by reason and by the
+    all-reduces each names ("a", "a, b", or "a, b ... z (N all-reduces)": `_name_all`)."""
+    counts: Counter = Counter()
+    for head, _, reason in (line.partition("not fused") for line in lines if "not fused" in line):
+        many = re.search(r"\((\d+) all-reduces\)\s*$", head)
+        counts[reason.lstrip(" :;-").strip() or head] += int(many.group(1)) if many else head.count(", all_reduce") + 1
+    return dict(counts)
 
 
 # ---------------------------------------------------------------- installation

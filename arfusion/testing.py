@@ -24,7 +24,6 @@ import gc
 import logging
 import math
 import os
-import re
 import time
 import types
 from collections import Counter
@@ -41,7 +40,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from . import graph_only
 from .config import PassConfig
 from .decisions import Fate
-from .fusion_pass import inductor_options
+from .fusion_pass import inductor_options, not_fused_reasons
 from .hf.continuous_batching import cb_config as hf_cb_config
 from .stats import decisions as pass_decisions
 from .stats import stats as pass_stats
@@ -85,22 +84,6 @@ def rows_from(decisions: list[dict]) -> list[Row]:
 def describe_rewrites(rewrites: dict[str, int]) -> str:
     """{"summed_all_reduces_merged": 2} -> "2 merged"."""
     return ", ".join(f"{v} {REWRITES[k]}" for k, v in rewrites.items())
-
-
-def not_fused_reasons(lines: list[str]) -> dict[str, int]:
-    """The `arfusion` logger's "... not fused: <reason>" lines, counted by reason: a line says one
-    reason for the all-reduces it names ("all_reduce_3", "all_reduce_3, all_reduce_5", or
-    "all_reduce_3, all_reduce_5 ... all_reduce_9 (4 all-reduces)"), each counted."""
-    counts: Counter = Counter()
-    for line in lines:
-        if "not fused" not in line:
-            continue
-        head, _, reason = line.partition("not fused")
-        many = re.search(r"\((\d+) all-reduces\)\s*$", head)
-        names = re.fullmatch(r"\s*(?:arfusion:\s*)?(all_reduce\w*(?:, all_reduce\w*)*)\s*", head)
-        counts[reason.lstrip(" :;-").strip() or line] += (int(many.group(1)) if many else
-                                                         names.group(1).count(",") + 1 if names else 1)
-    return dict(counts)
 
 
 def _fmt_counts(counts: Counter) -> str:
