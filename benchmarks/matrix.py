@@ -6,7 +6,8 @@
     python benchmarks/matrix.py report $OUT/m ... --out docs/data/matrix   # JSON + PNG + table per machine
 
 `run` takes groups in order; the stages of one group (joined by "+") run at the same time, each on
-the GPUs after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host. A stage may
+the GPUs after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host; stages joined
+by ">" run one after another in their lane (quantized2@2,3>moe2@2,3 beside decode2@0,1). A stage may
 set variables after ":" (generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl
 runs it with that transformers, installed apart). Each stage runs under its own limit, cut to what
 is left of --deadline, and writes its JSON and log under --out/STAGE (the folder's name adds the
@@ -33,6 +34,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -147,31 +149,50 @@ def stage_env(devices: list[int] | None, extra: dict) -> dict:
     return env
 
 
+def run_stage(spec: tuple, slot: int, out: Path, end: float) -> int:
+    """One stage under its limit, cut to what is left before `end`; 1 where it failed or was skipped."""
+    name, devices, extra, args = spec
+    left = end - time.time()
+    limit = min(STAGES[name].limit_s, left - 5)
+    if limit < 60:
+        print(f"=== {name} skipped: {left:.0f} s left before the deadline", flush=True)
+        return 1
+    folder = out / stage_folder(name, args, extra)
+    folder.mkdir(parents=True, exist_ok=True)
+    env = stage_env(devices, dict(extra))
+    cmd = ["timeout", "-k", "10", str(int(limit))] + stage_command(name, folder, slot, limit, args)
+    print(f"=== {name} on GPUs {devices or 'first'} (limit {limit:.0f} s) {extra or ''}: {' '.join(cmd[4:])}",
+          flush=True)
+    t0 = time.time()
+    with open(folder / "log.txt", "w") as log:
+        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    tail = (folder / "log.txt").read_text(errors="replace").splitlines()[-25:]
+    print(f"=== {folder.name} rc={rc} after {time.time() - t0:.0f} s\n" + "\n".join(tail), flush=True)
+    return int(rc != 0)
+
+
+def parse_group(group: str) -> list[list[tuple]]:
+    """'a@0,1+b@2,3>c@2,3' -> lanes [[a], [b, c]]: the lanes run at the same time, the stages of a
+    lane one after another (on the same GPUs: a short stage and a longer one fill a GPU pair)."""
+    return [[parse_spec(s) for s in lane.split(">")] for lane in group.split("+")]
+
+
 def run(groups: list[str], out: Path, deadline_s: float) -> int:
-    start, failed = time.time(), 0
-    for group in groups:
-        specs = [parse_spec(s) for s in group.split("+")]
-        left = deadline_s - (time.time() - start)
-        procs = []
-        for i, (name, devices, extra, args) in enumerate(specs):
-            limit = min(STAGES[name].limit_s, left - 5)
-            if limit < 60:
-                print(f"=== {name} skipped: {left:.0f} s left before the deadline", flush=True)
-                continue
-            folder = out / stage_folder(name, args, extra)
-            folder.mkdir(parents=True, exist_ok=True)
-            env = stage_env(devices, dict(extra))
-            cmd = ["timeout", "-k", "10", str(int(limit))] + stage_command(name, folder, i, limit, args)
-            print(f"=== {name} on GPUs {devices or 'first'} (limit {limit:.0f} s) {extra or ''}: {' '.join(cmd[4:])}",
-                  flush=True)
-            log = open(folder / "log.txt", "w")
-            procs.append((folder, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.time()))
-        for folder, proc, log, t0 in procs:
-            rc = proc.wait()
-            log.close()
-            failed += rc != 0
-            tail = (folder / "log.txt").read_text(errors="replace").splitlines()[-25:]
-            print(f"=== {folder.name} rc={rc} after {time.time() - t0:.0f} s\n" + "\n".join(tail), flush=True)
+    end = time.time() + deadline_s
+    plans = [parse_group(g) for g in groups]  # every spec checked before anything starts
+    failed = 0
+    for lanes in plans:
+        counts = [0] * len(lanes)
+
+        def lane_run(i: int, lane: list[tuple]) -> None:
+            counts[i] = sum(run_stage(spec, i, out, end) for spec in lane)
+
+        threads = [threading.Thread(target=lane_run, args=(i, lane)) for i, lane in enumerate(lanes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed += sum(counts)
     return failed
 
 
@@ -382,7 +403,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("plan", help="list the stages")
     r = sub.add_parser("run", help="run stage groups in order")
-    r.add_argument("groups", nargs="+", help="STAGE[@GPUS][:VAR=VALUE...][:--ARG=VALUE...], joined by + to run at the same time")
+    r.add_argument("groups", nargs="+", help="STAGE[@GPUS][:VAR=VALUE...][:--ARG=VALUE...], joined by + to run at the same time, "
+                   "by > one after another")
     r.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "results")) / "matrix")
     r.add_argument("--deadline", type=float, default=560, help="seconds for every group together")
     rep = sub.add_parser("report", help="JSON, table and plot per machine")

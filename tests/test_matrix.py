@@ -5,6 +5,7 @@ benchmarks/matrix_goals.py: the issue's goals against those rows."""
 from __future__ import annotations
 
 import json
+import time
 import sys
 from pathlib import Path
 
@@ -44,6 +45,27 @@ def test_stage_specs_and_commands():
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["NCCL_NVLS_ENABLE"] == "0"
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
     assert "decode2" in matrix.plan() and "generate4" in matrix.plan()
+
+
+def test_lanes_run_side_by_side_and_their_stages_in_turn(tmp_path, monkeypatch):
+    lanes = matrix.parse_group("decode2@0,1+quantized2@2,3>moe2@2,3:X=1")
+    assert [[spec[0] for spec in lane] for lane in lanes] == [["decode2"], ["quantized2", "moe2"]]
+    assert lanes[1][1][1:3] == ([2, 3], {"X": "1"})
+    with pytest.raises(SystemExit, match="unknown stage"):  # every spec is read before anything starts
+        matrix.run(["decode2", "site2>nothing2"], tmp_path, 100)
+    seen = []
+
+    def fake_stage(spec, slot, out, end):
+        seen.append((spec[0], slot, "start"))
+        time.sleep(0.2 if spec[0] == "decode2" else 0.05)
+        seen.append((spec[0], slot, "end"))
+        return int(spec[0] == "moe2")
+
+    monkeypatch.setattr(matrix, "run_stage", fake_stage)
+    assert matrix.run(["decode2@0,1+quantized2@2,3>moe2@2,3", "site2"], tmp_path, 100) == 1
+    # Lane 1's two stages (slot 1, one after the other) ran while lane 0's one stage did; the next group after both.
+    assert seen.index(("quantized2", 1, "end")) < seen.index(("moe2", 1, "start")) < seen.index(("decode2", 0, "end"))
+    assert seen[-2:] == [("site2", 0, "start"), ("site2", 0, "end")]
 
 
 def write(folder: Path, name: str, obj: dict) -> None:
