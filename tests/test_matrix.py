@@ -84,7 +84,15 @@ def test_report_rows_bar_table_and_plot(tmp_path):
         {"world": 2, "hidden": 4096, "tokens": 8192, "a0_us": 300.0, "b_us": 330.0, "ur_us": 330.0, "br_us": 329.0,
          "b_path": "unfused"}]})
     write(tmp_path / "qop2", "bench_quantized_w2.json", {"meta": {**META, "level": "fp8"}, "rows": [
-        {"world": 2, "hidden": 4096, "mib": 8, "tokens": 1024, "a0_us": 60.0, "b_us": 40.0, "b_vs_exact": 1.2}]})
+        {"world": 2, "hidden": 4096, "mib": 8, "tokens": 1024, "a0_us": 60.0, "b_us": 40.0, "b_vs_exact": 1.2,
+         "b_dispatch": {"flashinfer quantized fp8": 104}},
+        {"world": 2, "hidden": 4096, "mib": 16, "tokens": 2048, "a0_us": 116.0, "b_us": 128.0, "b_vs_exact": 0.9,
+         "b_dispatch": {}}]})
+    write(tmp_path / "sitequant2", "bench_quant_w2.json", {"meta": {**META}, "rows": [  # no "br": a is the off
+        {"world": 2, "hidden": 4096, "tokens": 8192, "quant": "fp8_static", "a_us": 346.0, "a0_us": 312.0,
+         "b_us": 346.0, "b_path": "unfused"},
+        {"world": 2, "hidden": 4096, "tokens": 2048, "quant": "fp8_group", "a_us": 112.0, "a0_us": 101.0,
+         "b_us": 127.0, "b_path": "fused one-shot"}]})
     variant = {"off": {"ms_per_token": 11.0, "gpu_busy_fraction": 0.4}, "on": {"ms_per_token": 11.5},
                "on_speedup": {"median": 0.957, "min": 0.9, "max": 1.01, "n": 8}, "excluded_pairs": 1}
     write(tmp_path / "decode2", "decode_llama_w2_decode.json", {"meta": META, "phases": {
@@ -99,7 +107,13 @@ def test_report_rows_bar_table_and_plot(tmp_path):
     # Left unfused: Inductor's graph without and with the pass, not the harness's NCCL call.
     assert by_path[("site", "T=8192")]["off"] == 330.0 and by_path[("site", "T=8192")]["speed"] == pytest.approx(1.003, abs=1e-3)
     quantized = by_path[("site, quantized all-reduce", "8 MiB per rank")]  # not a plain site row
-    assert quantized["speed"] == 1.5 and "fp8" in quantized["note"]
+    assert quantized["speed"] == 1.5 and "fp8" in quantized["note"] and "left_unfused" not in quantized
+    # Left unfused by the pass: the graph without it; flagged, with why, not hidden.
+    assert by_path[("site, quantized all-reduce", "16 MiB per rank")]["left_unfused"]
+    # A quant site left unfused is compared with the harness's own unfused graph (NCCL on a copy); a fused one
+    # with NCCL in place, where the pass's kernel lost (0.795x) and is flagged as slower.
+    assert by_path[("site", "T=8192 fp8_static")]["speed"] == 1.0
+    assert by_path[("site", "T=2048 fp8_group")]["off"] == 101.0
     assert not [r for r in rows if r["path"] == "site" and "MiB" in r["case"]]
     step = by_path[("decode step (CUDA graph)", "batch 1")]
     assert step["speed"] == 1.25 and step["floor"] == 3.5 and step["comm_removed_pct"] == 66.7
@@ -108,6 +122,8 @@ def test_report_rows_bar_table_and_plot(tmp_path):
     assert not [r for r in rows if "sample" in r["case"]]  # a failed variant makes no row
     assert {r["date"] for r in rows} == {"2026-11-27"} and rows[0]["versions"]["transformers"] == "5.24.0"
     md = (tmp_path / "out" / "matrix_h100x4_test.md").read_text()
+    assert "0.906× **below 0.98** (left unfused: the graph without the pass)" in md
+    assert "0.795× **below 0.98** |" in md
     assert "0.957× **below 0.98** (within its spread)" in md and "| 5.24.0 |" in md and "removes 67% of the all-reduces' time" in md
     assert (tmp_path / "out" / "matrix_h100x4_test.png").stat().st_size > 10_000
 
@@ -154,7 +170,10 @@ def test_goals_read_each_row_by_its_measure():
     rows = [{**common, "path": "decode step (CUDA graph)", "model": "llama 32L h4096", "tp": 2, "case": "batch 1",
              "speed": 1.25, "comm_removed_pct": 70.0},  # 5.0 -> 4.0 ms: 20% less time
             {**common, "path": "generate_batch", "model": "llama 32L h4096", "tp": 2, "case": "16 requests, tokens/s",
-             "speed": 1.05, "spread": [0.99, 1.1], "pairs": 6}]
+             "speed": 1.05, "spread": [0.99, 1.1], "pairs": 6},
+            # the quantized all-reduce: against the exact path (1.19x), not against NCCL (1.56x)
+            {**common, "path": "site, quantized all-reduce", "model": "hidden 4096", "tp": 2, "case": "8 MiB per rank",
+             "speed": 1.56, "vs_exact": 1.19}]
     table = matrix_goals.goals_table(rows)
     line = lambda what: next(x for x in table.splitlines() if x.startswith(f"| {what} |"))  # noqa: E731
     assert "| 20.0% (batch 1, 5.24.0) |" in line("decode step, Llama-3-8B, batch 1, TP=2") and line(
@@ -162,5 +181,7 @@ def test_goals_read_each_row_by_its_measure():
     assert line("all-reduce time removed, Llama-3-8B, batch 1, TP=2").endswith("| **no** |")
     assert "5.0%" in line("generate_batch, 16 requests, tokens/s, TP=2") and "0.990–1.100× (6 pairs)" in table
     assert "| not measured |" in line("decode step, Llama-3-8B, batch 1, TP=4")
+    assert "| 1.190× (8 MiB per rank, 5.24.0) |" in line("quantized all-reduce, 8 MiB per rank, TP=2") and line(
+        "quantized all-reduce, 8 MiB per rank, TP=2").endswith("| **no** |")
     rows[0].pop("comm_removed_pct")  # measured without the floor
-    assert "no floor measured" in matrix_goals.goals_table(rows)
+    assert "not in this row (batch 1)" in matrix_goals.goals_table(rows)

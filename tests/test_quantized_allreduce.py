@@ -125,17 +125,19 @@ def tokens_for(mib, hidden=4096):
     return int(mib * MiB) // (hidden * 2)
 
 
-def test_flashinfer_crossover_boundary(h200):
-    at = tokens_for(8)  # 1024 tokens x 4096 x 2 bytes = 8 MiB: the seeded crossover, inclusive
-    assert h200.codec_why_not(call(at), "fp8") is None
-    assert h200.codec_why_not(call(at - 1), "fp8").code is Why.BELOW_CROSSOVER
+@pytest.mark.parametrize("world, mib", [(2, 8), (4, 2)])  # the seeded crossovers, inclusive (4xH200, 2026-11-28)
+def test_flashinfer_crossover_boundary(h200, world, mib):
+    at = tokens_for(mib)  # 8 MiB: 1024 tokens x 4096 x 2 bytes
+    assert h200.codec_why_not(call(at, world=world), "fp8") is None
+    assert h200.codec_why_not(call(at - 1, world=world), "fp8").code is Why.BELOW_CROSSOVER
+    assert h200.codec_why_not(call(tokens_for(64), world=world), "fp8") is None
     assert h200.codec_why_not(call(None), "fp8") is None  # dynamic: decided per call
     assert h200.codec_why_not(call(tokens_for(64) + 1), "fp8").code is Why.SIZE_CAP
     assert h200.codec_why_not(call(tokens_for(64)), "fp8") is None
 
 
 @pytest.mark.parametrize("change, expected", [
-    (dict(world=4), Why.NO_CROSSOVER),  # unmeasured: never guessed
+    (dict(world=8), Why.NO_CROSSOVER),  # unmeasured: never guessed
     (dict(world=6), Why.WORLD_SIZE),
     (dict(dtype=torch.float16), Why.DTYPE),
     (dict(hidden=4100), Why.SHAPE),

@@ -86,7 +86,10 @@ _SEED_16BIT: dict[tuple[int, int], tuple[float, float]] = {
 # world 4 that quant kernel took 3-4x its standalone time behind the two-shot kernel (forced
 # fusion at 16 MiB: 0.80x of unfused); at 4 MiB fusion still won (1.04x); 8 MiB is unmeasured.
 # So per-group sites fuse only up to this many MiB there (static/dynamic FP8 use the table).
-GROUP_QUANT_MAX_MIB: dict[tuple[int, int], float] = {(9, 4): 4}
+# World 2 (4xH200, 2026-11-28, docs/data/matrix/matrix_h200x4_2026-11-28_f.md, hidden 4096, against
+# NCCL in place + compiled add+RMSNorm+quant): fused one-shot 1.22x at 4 MiB, 0.80x at 16 MiB
+# (127 vs 101 us; the table's 32 MiB cap fused it); 8 MiB unmeasured, so 4.
+GROUP_QUANT_MAX_MIB: dict[tuple[int, int], float] = {(9, 2): 4, (9, 4): 4}
 
 # A site whose all-reduce input is scaled by a number first (Granite's multiplier: f * AR(x), run
 # as AR(f * x)) pays one more elementwise pass over the input where the kernel runs (the unfused
@@ -161,9 +164,13 @@ def moe_finalize_problem(sm_major: int, world_size: int, tokens: int | None) -> 
 # from which it is used, inclusive}. SM90 world 2, 2xH200 in CUDA graphs at the site (hidden 4096,
 # quantized all-reduce + compiled add+RMSNorm; docs/benchmarks.md) against FlashInfer's exact fused
 # kernel: 0.52/0.76/0.95/1.19/1.25/1.25x at 1/2/4/8/16/32 MiB; against NCCL + the same norm (the
-# exact path above the 32 MiB fused cap) 1.26x all-reduce alone at 64 MiB. Hence 8 MiB. Other
-# GPUs and worlds are unmeasured: `arfusion tune --quantized fp8` or quantized_allreduce_min_mb.
-QUANTIZED_MIN_MIB: dict[tuple[int, int], dict[str, float]] = {(9, 2): {"fp8": 8}}
+# exact path above the 32 MiB fused cap) 1.26x all-reduce alone at 64 MiB. Hence 8 MiB (again on
+# 4xH200 on 2026-11-28: 0.97/1.19/1.23/1.24x at 4/8/16/32 MiB). SM90 world 4, 4xH200, 2026-11-28
+# (docs/data/matrix/matrix_h200x4_2026-11-28_f.md, same harness), against the exact path (the fused
+# kernel up to 8 MiB, NCCL in place + compiled norm above): 0.90/1.31/1.38/1.48/1.30/1.31/1.26x at
+# 1/2/4/8/16/32/64 MiB. Hence 2 MiB. Other GPUs and worlds are unmeasured: `arfusion tune --quantized
+# fp8` or quantized_allreduce_min_mb.
+QUANTIZED_MIN_MIB: dict[tuple[int, int], dict[str, float]] = {(9, 2): {"fp8": 8}, (9, 4): {"fp8": 2}}
 # The largest message measured (64 MiB: 1.26x); larger ones keep the exact path. It also sizes
 # the symmetric buffer (about half of it: one byte per element plus scales).
 QUANTIZED_MAX_BYTES = 64 * MiB
