@@ -175,10 +175,10 @@ RUNNERS = {"loop": LoopRunner, "generate": GenerateRunner}
 
 
 def parse_variant(text: str) -> tuple[str, bool, int]:
-    """'greedy:8' -> ('greedy_b8', False, 8)."""
-    mode, _, batch = text.partition(":")
+    """'greedy:8' or its label 'greedy_b8' (no ":", for matrix.py's stage specs) -> ('greedy_b8', False, 8)."""
+    mode, _, batch = text.partition(":") if ":" in text else text.partition("_b")
     if mode not in ("greedy", "sample") or not batch.isdigit():
-        raise ValueError(f"variant {text!r}: mode:batch, mode greedy or sample")
+        raise ValueError(f"variant {text!r}: mode:batch or mode_bBATCH, mode greedy or sample")
     return f"{mode}_b{batch}", mode == "sample", int(batch)
 
 

@@ -109,6 +109,10 @@ def parse_spec(spec: str) -> tuple[str, list[int] | None, dict, list[str]]:
     devices = [int(g) for g in gpus.split(",")] if gpus else None
     if devices is not None and len(devices) != STAGES[name].gpus:
         raise SystemExit(f"{name} takes {STAGES[name].gpus} GPUs, not {gpus}")
+    bad = [e for e in sets if "=" not in e]
+    if bad:  # e.g. "--gen-variants=greedy:1" cut at its ":"
+        raise SystemExit(f"{spec!r}: {bad[0]!r} is not VAR=VALUE or --ARG=VALUE (':' separates them; "
+                         "write variants as greedy_b1)")
     pairs = [e.split("=", 1) for e in sets]
     args = [word for k, v in pairs if k.startswith("--") for word in (k, *v.split())]
     return name, devices, {k: v for k, v in pairs if not k.startswith("--")}, args

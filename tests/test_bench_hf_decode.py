@@ -235,6 +235,7 @@ def test_excluded_pairs_and_spread():
     assert decode_host.spread([3.0, 1.0, 2.0, 10.0]) == {"median": 2.5, "q1": 1.25, "q3": 8.25, "min": 1.0,
                                                            "max": 10.0, "n": 4}
     assert decode_host.parse_variant("sample:8") == ("sample_b8", True, 8)
+    assert decode_host.parse_variant("greedy_b8") == ("greedy_b8", False, 8)  # matrix.py specs cannot hold ":"
     with pytest.raises(ValueError):
         decode_host.parse_variant("beam:2")
 

@@ -36,6 +36,8 @@ def test_stage_specs_and_commands():
         matrix.parse_spec("decode4@0,1")
     with pytest.raises(SystemExit, match="unknown stage"):
         matrix.parse_spec("nothing2")
+    with pytest.raises(SystemExit, match="is not VAR=VALUE"):  # a value holding ":" (it separates parts)
+        matrix.parse_spec("generate4:--gen-variants=greedy:1")
     cmd = matrix.stage_command("decode2", Path("/o"), 1, 400)
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--master-port") + 1] == "29511"
     assert "--floor" in cmd and cmd[cmd.index("--ckpt-dir") + 1] == "/tmp/arfusion-matrix-ckpt1"
