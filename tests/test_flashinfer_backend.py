@@ -487,6 +487,15 @@ def test_per_group_fp8_has_its_own_cap(backend, world):
     assert backend.why_not(call(1024, world=world, site=group), max_bytes_override=8 * MiB) is None  # user's cap wins
 
 
+def test_per_group_fp8_on_sm100_takes_the_sm90_cap(backend, monkeypatch):
+    """Unmeasured on Blackwell, whose table fuses up to 64 MiB at world 2: the measured cap holds there too."""
+    monkeypatch.setattr(fi, "device_facts", lambda index: B200)
+    group = Form(residual=True, norm="rms", quant="fp8_group")
+    assert backend.why_not(call(512, world=2, site=group)) is None
+    assert backend.why_not(call(513, world=2, site=group)).code is Why.SIZE_CAP
+    assert backend.why_not(call(4096, world=2)) is None  # the plain site: SM100's own 64 MiB
+
+
 @pytest.mark.parametrize("world,last_fused", [(2, 1024), (4, 512)])  # 8 and 4 MiB at hidden 4096
 def test_a_scaled_input_has_its_own_cap(backend, world, last_fused):
     """f * AR(x) runs one more pass over x where the kernel runs (SCALED_INPUT_MAX_MIB)."""

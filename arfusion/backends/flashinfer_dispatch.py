@@ -88,7 +88,8 @@ _SEED_16BIT: dict[tuple[int, int], tuple[float, float]] = {
 # So per-group sites fuse only up to this many MiB there (static/dynamic FP8 use the table).
 # World 2 (4xH200, 2026-11-28, docs/data/matrix/matrix_h200x4_2026-11-28_f.md, hidden 4096, against
 # NCCL in place + compiled add+RMSNorm+quant): fused one-shot 1.22x at 4 MiB, 0.80x at 16 MiB
-# (127 vs 101 us; the table's 32 MiB cap fused it); 8 MiB unmeasured, so 4.
+# (127 vs 101 us; the table's 32 MiB cap fused it); 8 MiB unmeasured, so 4. SM100 is unmeasured and
+# its table fuses more (64 / 32 MiB): it takes SM90's entry, as the scaled-input cap does.
 GROUP_QUANT_MAX_MIB: dict[tuple[int, int], float] = {(9, 2): 4, (9, 4): 4}
 
 # A site whose all-reduce input is scaled by a number first (Granite's multiplier: f * AR(x), run
@@ -287,7 +288,7 @@ def codec_min_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int, 
 
 def group_quant_cap(sm_major: int, world_size: int) -> int | None:
     """Bytes per rank up to which a per-group FP8 site may fuse, beyond the table; None: no limit."""
-    mib = GROUP_QUANT_MAX_MIB.get((sm_major, world_size))
+    mib = GROUP_QUANT_MAX_MIB.get((sm_major, world_size), GROUP_QUANT_MAX_MIB.get((9, world_size)))
     return None if mib is None else int(mib * MiB)
 
 
