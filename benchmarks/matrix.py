@@ -71,6 +71,12 @@ STAGES = {
                            "Llama-3-8B decode step in one CUDA graph, batch 1/8/32, with the floor") for n in (2, 4)},
     **{f"generate{n}": Stage(n, 540, "bench_hf_decode.py", f"{GENERATE} --tag generate",
                              "HF generate(), greedy and sampling, batch 1 and 8, 8 interleaved pairs") for n in (2, 4)},
+    # The sampling variants alone: at TP=4 the four variants do not fit one call (2026-11-28: greedy at batch 1
+    # and 8 took 290 s of a 320 s budget, ~140 s per variant with its first compiles).
+    **{f"generatesample{n}": Stage(n, 540, "bench_hf_decode.py",
+                                   GENERATE.replace("greedy:1 sample:1 greedy:8 sample:8", "sample:1 sample:8")
+                                   + " --tag generate_sample", "HF generate(), sampling only, batch 1 and 8, 8 pairs")
+       for n in (2, 4)},
     **{f"prefill{n}": Stage(n, 420, "bench_hf_decode.py", f"{PREFILL} --tag prefill",
                             "prefill 512/2048/8192, with and without the quantized all-reduce") for n in (2, 4)},
     # A config's first call (compile, capture) takes ~230 s at 32 layers on H100: off and on of one

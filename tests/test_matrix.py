@@ -47,6 +47,8 @@ def test_stage_specs_and_commands():
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["NCCL_NVLS_ENABLE"] == "0"
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
     assert "decode2" in matrix.plan() and "generate4" in matrix.plan()
+    cmd = matrix.stage_command("generatesample4", Path("/o"), 0, 540)
+    assert cmd[cmd.index("--gen-variants") + 1:cmd.index("--gen-variants") + 4] == ["sample:1", "sample:8", "--lengths"]
 
 
 def test_lanes_run_side_by_side_and_their_stages_in_turn(tmp_path, monkeypatch):
