@@ -148,8 +148,11 @@ for s in "$@"; do
       --budget-s 380 --out "$OUT" ;;
     loop4) stage loop4 "${LIMIT:-300}" $TORCHRUN 4 benchmarks/bench_hf_decode.py --phases loop --tag loop --out "$OUT" ;;
     # Every GPU check at once through pytest (tests/gpu: what this machine cannot run is skipped with the
-    # reason); JSON and logs under $OUT/gpu. GPU_K picks checks by name, e.g. GPU_K=shared_gpu.
-    gpu) ARFUSION_GPU_OUT="$OUT/gpu" stage gpu "${LIMIT:-580}" python -m pytest tests/gpu -s ${GPU_K:+-k "$GPU_K"} ;;
+    # reason); JSON and logs in $OUT/gpu.tar.gz (the device tool brings back only so many files, so
+    # deep), the summary beside it as $OUT/gpu_summary.json. GPU_K picks checks by name, e.g. GPU_K=shared_gpu.
+    gpu) ARFUSION_GPU_OUT="$OUT/gpu" stage gpu "${LIMIT:-580}" python -m pytest tests/gpu -s ${GPU_K:+-k "$GPU_K"}
+      cp "$OUT/gpu/summary.json" "$OUT/gpu_summary.json" 2>/dev/null
+      tar czf "$OUT/gpu.tar.gz" -C "$OUT" gpu && rm -rf "$OUT/gpu" ;;
     first2) stage first2 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[2]" ;;
     first4) stage first4 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[4]" ;;
     # Where only one GPU is lent (tests/gpu/shared_gpu.py: both ranks on GPU 0, gloo, what is computed,
