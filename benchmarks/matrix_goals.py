@@ -92,8 +92,8 @@ def goals_table(rows: list[dict]) -> str:
                 lines.append(f"| {goal.what} | {goal.target()} | not in this row ({r['case']}) | | {r['machine']} | |")
                 continue
             spread = (f"{r['spread'][0]:.3f}–{r['spread'][1]:.3f}× ({r['pairs']} pairs)" if "spread" in r else "")
-            v_ = r["versions"]  # transformers where the row ran a model, else torch
-            version = v_.get("transformers") or (f"torch {v_['torch']}" if v_.get("torch") else "")
+            versions = r["versions"]  # transformers where the row ran a model, else torch
+            version = versions.get("transformers") or (f"torch {versions['torch']}" if versions.get("torch") else "")
             lines.append(f"| {goal.what} | {goal.target()} | {goal.shown(v)} ({r['case']}, {version}) "
                          f"| {spread} | {r['machine']} | {'yes' if v >= goal.bar else '**no**'} |")
     return "\n".join(lines)

@@ -286,16 +286,20 @@ def codec_min_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int, 
     return int(mib * MiB), f"seed table SM{sm_major}x world {world_size}"
 
 
+def _cap_or_sm90(table: dict[tuple[int, int], float], sm_major: int, world_size: int) -> int | None:
+    """A per-form cap in bytes per rank; a GPU without its own entry takes SM90's (measured); None: no limit."""
+    mib = table.get((sm_major, world_size), table.get((9, world_size)))
+    return None if mib is None else int(mib * MiB)
+
+
 def group_quant_cap(sm_major: int, world_size: int) -> int | None:
     """Bytes per rank up to which a per-group FP8 site may fuse, beyond the table; None: no limit."""
-    mib = GROUP_QUANT_MAX_MIB.get((sm_major, world_size), GROUP_QUANT_MAX_MIB.get((9, world_size)))
-    return None if mib is None else int(mib * MiB)
+    return _cap_or_sm90(GROUP_QUANT_MAX_MIB, sm_major, world_size)
 
 
 def scaled_input_cap(sm_major: int, world_size: int) -> int | None:
     """Bytes per rank up to which a site with a scaled input may fuse, beyond the table; None: no limit."""
-    mib = SCALED_INPUT_MAX_MIB.get((sm_major, world_size), SCALED_INPUT_MAX_MIB.get((9, world_size)))
-    return None if mib is None else int(mib * MiB)
+    return _cap_or_sm90(SCALED_INPUT_MAX_MIB, sm_major, world_size)
 
 
 def use_oneshot(limits: Limits, tokens: int, nbytes: int, world_size: int) -> bool:
