@@ -14,6 +14,11 @@ within bf16 rounding of each other (4 ulp of the largest logit) or Inductor alon
 on --cpu (fp32) identical. The log-probabilities of the tokens both chose are reported against
 Inductor alone's.
 
+Limits of the model's own code are recorded as `upstream`, not as problems: a run that fails for
+Inductor alone too (the pass's run then may fail the same way), and an all-reduce split from its
+norm by a graph break in a function of UPSTREAM_GRAPH_BREAKS (the pass then correctly leaves it
+unfused). A graph break anywhere else, or a failure of the pass's run alone, is a problem.
+
 --cuda-graphs: the pass's calls also run in transformers' own CUDA graphs, and the fused and
 fast-path calls must have been captured (stats()["dispatch_in_cuda_graphs"]). With both ranks on
 one GPU the group is gloo, and a gloo collective cannot be captured: the LM head is loaded whole
@@ -51,6 +56,12 @@ from arfusion.testing import generate_batch, greedy_departures  # noqa: E402
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [17, 18, 19], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [50]]
 MODELS = ("llama", "qwen3", "qwen3_moe", "aria_text", "gemma3_text")
 TIE_ULPS = 4
+# Graph breaks in transformers' code that split an all-reduce from its norm, by function name.
+UPSTREAM_GRAPH_BREAKS = {
+    "sequential_experts_gemm": "Aria's experts before transformers 5.24 (seen with 5.17) slice tokens per expert by "
+                               "data-dependent counts: a graph break between the MoE all-reduce and its norm, and "
+                               "transformers' CUDA-graph capture fails there with or without the pass",
+}
 
 
 def load(model_type: str, dtype: torch.dtype, device, whole_lm_head: bool):
@@ -78,12 +89,24 @@ def load(model_type: str, dtype: torch.dtype, device, whole_lm_head: bool):
     return model, prepared
 
 
+def upstream_splits(unfused: int, splits: dict[str, int]) -> list[str]:
+    """The notes for `unfused` all-reduces when every one of them is split from its norm by a graph
+    break in a function of UPSTREAM_GRAPH_BREAKS (`splits`: stats()["split_by_graph_breaks"]);
+    else [] (then an unfused all-reduce is a problem)."""
+    if unfused and splits and set(splits) <= set(UPSTREAM_GRAPH_BREAKS) and sum(splits.values()) == unfused:
+        return [f"{fn}: {UPSTREAM_GRAPH_BREAKS[fn]}" for fn in splits]
+    return []
+
+
 def compare(model, runs: dict) -> dict:
-    """The pass against eager, Inductor alone as the noise (arfusion.testing.greedy_departures)."""
-    rows = greedy_departures(model, PROMPTS, runs["eager"], runs["pass"], noise=runs["inductor"], tie_ulps=TIE_ULPS)
-    noise = greedy_departures(model, PROMPTS, runs["eager"], runs["inductor"], tie_ulps=TIE_ULPS)
-    for row, alone in zip(rows, noise):
-        row["inductor_max_logprob_diff"] = alone["max_logprob_diff"]
+    """The pass against eager, Inductor alone as the noise (arfusion.testing.greedy_departures;
+    none where Inductor alone failed)."""
+    alone = runs.get("inductor")
+    rows = greedy_departures(model, PROMPTS, runs["eager"], runs["pass"], noise=alone, tie_ulps=TIE_ULPS)
+    if alone is not None:
+        noise = greedy_departures(model, PROMPTS, runs["eager"], alone, tie_ulps=TIE_ULPS)
+        for row, ref in zip(rows, noise):
+            row["inductor_max_logprob_diff"] = ref["max_logprob_diff"]
     return {"requests": rows, "tokens_ok": all(r["ok"] for r in rows)}
 
 
@@ -96,14 +119,27 @@ def check_model(model_type: str, args, dtype, device, backend: str) -> dict:
         extra["auto_switch_to_flash"] = False  # sdpa, as loaded (no Flash Attention here)
     graphs = args.cuda_graphs
     runs = {"eager": generate_batch(model, PROMPTS, args.new_tokens, compiled=False, **extra)}
+    upstream = []
     torch._dynamo.reset()
     # Over gloo (both ranks on one GPU) Inductor alone leaves gloo all-reduces in the step, which
     # cannot be captured: its run, the noise reference, goes without CUDA graphs there.
-    runs["inductor"] = generate_batch(model, PROMPTS, args.new_tokens, cuda_graphs=graphs and args.two_gpus, **extra)
+    try:
+        runs["inductor"] = generate_batch(model, PROMPTS, args.new_tokens, cuda_graphs=graphs and args.two_gpus,
+                                          **extra)
+    except RuntimeError as e:  # the model's own limit: recorded, and the pass's run still made
+        upstream.append(f"Inductor alone fails: {str(e)[:300]}")
     torch._dynamo.reset()
     arfusion.reset_stats()
     config = arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend)
-    runs["pass"] = generate_batch(model, PROMPTS, args.new_tokens, config=config, cuda_graphs=graphs, **extra)
+    try:
+        runs["pass"] = generate_batch(model, PROMPTS, args.new_tokens, config=config, cuda_graphs=graphs, **extra)
+    except RuntimeError as e:
+        if not upstream:
+            raise
+        upstream.append(f"the pass's run fails as well: {str(e)[:300]}")
+        del model
+        torch._dynamo.reset()
+        return {"model": model_type, "prepared": prepared, "upstream": upstream, "problems": []}
     torch.cuda.synchronize() if device.type == "cuda" else None
     report, stats = runs["pass"].report, arfusion.stats()
     result = {"model": model_type, "prepared": prepared, **compare(model, runs),
@@ -116,12 +152,18 @@ def check_model(model_type: str, args, dtype, device, backend: str) -> dict:
     problems = []
     if not result["tokens_ok"]:
         problems.append("tokens depart from eager's away from a near tie")
-    if report.all_reduces == 0 or report.fused + report.merged != report.all_reduces:
+    unfused = report.all_reduces - report.fused - report.merged
+    known = upstream_splits(unfused, stats["split_by_graph_breaks"])
+    if known:
+        upstream += known
+    elif report.all_reduces == 0 or unfused:
         problems.append(f"not every all-reduce fused: {report.verdict}")
     if not set(stats["dispatch"]) <= kernels:
         problems.append(f"calls off the kernels: {stats['dispatch']}")
     if graphs and (not stats["dispatch_in_cuda_graphs"] or not set(stats["dispatch_in_cuda_graphs"]) <= kernels):
         problems.append(f"captured calls: {stats['dispatch_in_cuda_graphs']}")
+    if upstream:
+        result["upstream"] = upstream
     result["problems"] = problems
     del model
     torch._dynamo.reset()
