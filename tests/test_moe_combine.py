@@ -397,7 +397,7 @@ def test_flashinfer_dispatch_entry_is_decode_only(monkeypatch, tmp_path):
             return Call(form=site, tokens=tokens, hidden=4096, dtype=torch.bfloat16, weight_dtype=torch.bfloat16,
                         world_size=world, device=torch.device("cuda", 0), group_name="tp")
 
-        # Off by default (not yet timed against the compiled combine + fused site), at every size.
+        # Off by default (slower than the compiled combine + fused site in the model), at every size.
         monkeypatch.delenv(dispatch.MOE_FINALIZE_OPT_IN_ENV, raising=False)
         hash_off = dispatch.table_hash()
         for tokens in (1, cap, None):

@@ -130,8 +130,10 @@ def quant_problem(form: str, sm_major: int, cuda_version: str | None) -> str | N
 # 0.44x at T=1/8/32/64/128, hidden 4096 1.50/1.75/1.18x at T=1/8/32: decode sizes only. Other
 # worlds and GPUs are unmeasured (tests/gpu/check_moe_combine.py measures them).
 MOE_FINALIZE_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 2): 32}
-# ...but only on request, until it is timed on two GPUs against what the op does without it
-# (compiled combine + the plain fused site; the numbers above are against NCCL). Its old hazard is
+# ...but only on request: timed in the model against what the op does without it (compiled combine +
+# the plain fused site), it was slower: the Qwen3-30B-A3B-shaped decode step (8 layers, TP=2, 2xH200,
+# 2026-11-28, docs/benchmarks.md) took 1.052 / 1.902 ms with it at batch 1 / 8 against 1.029 / 1.867
+# without (op level, the same day: faster only at some hidden 2048 sizes). Its old hazard is
 # closed: FlashInfer's finalize kernel reads each peer's values from that peer's Lamport buffer,
 # which the peer re-arms at its next call on the workspace; sharing the plain kernel's workspace,
 # queued calls hung (two H200s; two ranks on one H100). It now alternates between two workspaces
@@ -140,8 +142,8 @@ MOE_FINALIZE_MAX_TOKENS: dict[tuple[int, int], int] = {(9, 2): 32}
 # odd number of finalize calls; the pass keeps the combine out of graphs without another
 # collective on the group (docs/flashinfer.md).
 MOE_FINALIZE_OPT_IN_ENV = "ARFUSION_FLASHINFER_MOE_FINALIZE"
-MOE_FINALIZE_OFF_REASON = (f"FlashInfer's MoE finalize kernel is opt-in ({MOE_FINALIZE_OPT_IN_ENV}=1) until it is "
-                           f"timed against the compiled combine + fused site on two GPUs")
+MOE_FINALIZE_OFF_REASON = (f"FlashInfer's MoE finalize kernel is opt-in ({MOE_FINALIZE_OPT_IN_ENV}=1): in a "
+                           f"Qwen3-MoE decode step on 2xH200 it was 2% slower than the compiled combine + fused site")
 
 
 def moe_finalize_opted_in() -> bool:

@@ -23,7 +23,7 @@ Writes <out>/moe_combine_rank<r>.json (rank 0 also prints a table). Never uses F
 "auto"/"mnnvl" backends (the backend asks for "trtllm" only).
 
 --no-finalize: only (2) for unfused and site_only, which is what the pass emits by default (the
-finalize kernel stays opt-in until it is timed against site_only on two GPUs).
+finalize kernel stays opt-in: in the model's decode step it was slower than site_only, 2xH200).
 
 --shared-gpu: every rank on GPU 0 (a one-GPU machine), a gloo group, correctness only (1 and 3;
 no timings: the ranks' kernels take turns on the GPU). The backend's "two ranks share one GPU"
