@@ -94,7 +94,8 @@ def goals_table(rows: list[dict]) -> str:
             spread = (f"{r['spread'][0]:.3f}–{r['spread'][1]:.3f}× ({r['pairs']} pairs)" if "spread" in r else "")
             versions = r["versions"]  # transformers where the row ran a model, else torch
             version = versions.get("transformers") or (f"torch {versions['torch']}" if versions.get("torch") else "")
-            lines.append(f"| {goal.what} | {goal.target()} | {goal.shown(v)} ({r['case']}, {version}) "
+            model = f"{r['model']}, " if r["model"] != goal.model else ""  # the goal names a family: which model
+            lines.append(f"| {goal.what} | {goal.target()} | {goal.shown(v)} ({model}{r['case']}, {version}) "
                          f"| {spread} | {r['machine']} | {'yes' if v >= goal.bar else '**no**'} |")
     return "\n".join(lines)
 

@@ -177,7 +177,10 @@ def test_goals_read_each_row_by_its_measure():
              "speed": 1.05, "spread": [0.99, 1.1], "pairs": 6},
             # the quantized all-reduce: against the exact path (1.19x), not against NCCL (1.56x)
             {**common, "path": "site, quantized all-reduce", "model": "hidden 4096", "tp": 2, "case": "8 MiB per rank",
-             "speed": 1.56, "vs_exact": 1.19}]
+             "speed": 1.56, "vs_exact": 1.19},
+            # a goal that names a family (qwen3_moe) says which model each row ran
+            {**common, "path": "decode step (CUDA graph)", "model": "qwen3_moe 8L h2048, MoE finalize", "tp": 2,
+             "case": "batch 1", "speed": 1.139}]
     table = matrix_goals.goals_table(rows)
     line = lambda what: next(x for x in table.splitlines() if x.startswith(f"| {what} |"))  # noqa: E731
     assert "| 20.0% (batch 1, 5.24.0) |" in line("decode step, Llama-3-8B, batch 1, TP=2") and line(
@@ -185,7 +188,9 @@ def test_goals_read_each_row_by_its_measure():
     assert line("all-reduce time removed, Llama-3-8B, batch 1, TP=2").endswith("| **no** |")
     assert "5.0%" in line("generate_batch, 16 requests, tokens/s, TP=2") and "0.990–1.100× (6 pairs)" in table
     assert "| not measured |" in line("decode step, Llama-3-8B, batch 1, TP=4")
-    assert "| 1.190× (8 MiB per rank, 5.24.0) |" in line("quantized all-reduce, 8 MiB per rank, TP=2") and line(
+    assert "| 12.2% (qwen3_moe 8L h2048, MoE finalize, batch 1, 5.24.0) |" in line(
+        "MoE decode step, Qwen3-30B-A3B shape, batch 1, TP=2")
+    assert "| 1.190× (hidden 4096, 8 MiB per rank, 5.24.0) |" in line("quantized all-reduce, 8 MiB per rank, TP=2") and line(
         "quantized all-reduce, 8 MiB per rank, TP=2").endswith("| **no** |")
     rows[0].pop("comm_removed_pct")  # measured without the floor
     assert "not in this row (batch 1)" in matrix_goals.goals_table(rows)
