@@ -19,10 +19,16 @@ from gpu_launch import needs
 
 GPU = "tests/gpu"
 MODES = [pytest.param("two_gpus", marks=needs(gpus=2)), pytest.param("shared_gpu", marks=needs(gpus=1))]
+# The faults and the soak also at TP=4 (NCCL, one GPU per rank): their scripts take any world size.
+MODES_TP4 = [*MODES, pytest.param("four_gpus", marks=needs(gpus=4))]
 
 
 def shared(mode: str) -> list[str]:
     return ["--shared-gpu"] if mode == "shared_gpu" else []
+
+
+def ranks(mode: str) -> int:
+    return 4 if mode == "four_gpus" else 2
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=needs(gpus=2)), pytest.param(4, marks=needs(gpus=4))])
@@ -47,14 +53,14 @@ def test_bad_inputs(mode, launch):
 
 def fault_case(launch, mode: str, case: str, cache: str):
     done = launch(f"{GPU}/check_faults.py", *shared(mode), "--case", case, "--cache", cache, "--out", "{out}",
-                  nproc=2, env={"CHECK_HANG_S": "300"}, timeout=360)
+                  nproc=ranks(mode), env={"CHECK_HANG_S": "300"}, timeout=360)
     assert done.returncode == 0, f"{case}:\n{done.tail()}"
-    for rank in range(2):
+    for rank in range(ranks(mode)):
         recorded = done.json(f"{case}/rank{rank}.json")
         assert case in recorded and recorded["problems"] == [], (case, rank, recorded.get("problems"))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES_TP4)
 def test_faults_compile_cache_cold_then_warm(mode, launch, tmp_path):
     """check_faults.py cold, then warm in fresh processes: a cache hit must still create
     FlashInfer's workspace and run the kernel (faults1shared / faults2, cases cold warm)."""
@@ -64,7 +70,7 @@ def test_faults_compile_cache_cold_then_warm(mode, launch, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["fail_build", "low_memory", "fail_create"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES_TP4)
 def test_faults_one_rank_failing(mode, case, launch, tmp_path):
     """check_faults.py: FlashInfer fails on rank 1 only; both ranks run unfused and correct.
     fail_create waits out the workspace exchange's 60 s timeout (FAULT_CASES=fail_create)."""
@@ -122,16 +128,16 @@ def test_loop_free_experts_tp2_shared_gpu(finalize, launch):
         assert all(r["fused_moe_kernel_calls"] for r in ranks), ranks
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES_TP4)
 def test_soak(mode, launch):
     """soak.py: a compiled two-layer TP block under reduce-overhead and dynamic=True, every output
-    against eager (soak2: up to 10000 calls, 115 s a mode; soak1shared: 2000 calls)."""
-    args = ["--calls", "10000", "--budget-s", "115"] if mode == "two_gpus" else ["--calls", "2000"]
-    done = launch(f"{GPU}/soak.py", *shared(mode), *args, "--out", "{out}", nproc=2,
+    against eager (soak2 and four_gpus: up to 10000 calls, 115 s a mode; soak1shared: 2000 calls)."""
+    args = ["--calls", "2000"] if mode == "shared_gpu" else ["--calls", "10000", "--budget-s", "115"]
+    done = launch(f"{GPU}/soak.py", *shared(mode), *args, "--out", "{out}", nproc=ranks(mode),
                   env={"SOAK_HANG_S": "285"}, timeout=360)
     assert done.returncode == 0, done.tail()
     report = done.json("soak.json")
-    assert report["backend"] == "flashinfer", report["backend"]
+    assert report["backend"] == "flashinfer" and report["world_size"] == ranks(mode), report
     for m in report["modes"]:
         assert m["calls"] > 0 and m["mismatches_all_ranks"] == 0, (m["mode"], m["mismatches_all_ranks"], m["worst"])
 
