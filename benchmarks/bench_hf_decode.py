@@ -134,6 +134,9 @@ def parse(argv):
     p.add_argument("--tiny", action="store_true", help="a tiny config (hidden 256, 2 layers): CPU/CI")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even where CUDA exists")
     p.add_argument("--layers", type=int, default=0, help="override the number of layers")
+    p.add_argument("--unique-layers", type=int, default=0, metavar="N",
+                   help="write and load N layers' weights only and reuse them in turn up to --layers (each layer "
+                        "its own KV cache): a deep model's step without its whole checkpoint")
     p.add_argument("--rank-of", type=int, default=1, metavar="N",
                    help="one process, no TP: the model holds one rank's share of TP=N (heads, intermediates, "
                         "vocabulary divided by N), so its step is the TP=N step without communication")
@@ -189,6 +192,10 @@ def parse(argv):
     if args.configs != list(CONFIGS) and set(args.phases) & set(NEED_BOTH):
         p.error(f"--configs applies to loop and generate; {sorted(set(args.phases) & set(NEED_BOTH))} "
                 "compare off and on")
+    if args.unique_layers and not 0 < args.unique_layers < args.layers:
+        p.error("--unique-layers N: fewer layers than --layers, which it repeats up to")
+    if args.unique_layers and "accuracy" in args.phases:  # it compares with the checkpoint's own model
+        p.error("--unique-layers: not with the accuracy phase")
     try:
         [parse_variant(v) for v in args.gen_variants]
     except ValueError as e:

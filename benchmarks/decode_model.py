@@ -70,6 +70,8 @@ def model_config(args, world: int):
         shape = dict(PRESETS[args.model_type])
         if args.layers:
             shape["num_hidden_layers"] = args.layers
+    if getattr(args, "unique_layers", 0):  # the checkpoint holds these; repeat_layers makes the rest
+        shape["num_hidden_layers"] = args.unique_layers
     if args.rank_of > 1:
         shape = one_rank_shape(shape, args.rank_of)
     return AutoConfig.for_model(MODEL_TYPES.get(args.model_type, args.model_type), tie_word_embeddings=False, **shape)
@@ -116,6 +118,31 @@ def random_model(config, device, init: str = "hf"):
                 if any(f".{proj}." in name for proj in RESIDUAL_OUTPUTS):
                     param.mul_((2 * config.num_hidden_layers) ** -0.5)
     return model
+
+
+def _with_layer_index(module: torch.nn.Module, index: int) -> torch.nn.Module:
+    """A shallow copy of `module` and its submodules: the same parameters, buffers and hooks (the
+    TP plan's), its own `layer_idx` (the KV-cache layer it reads and writes)."""
+    copy = object.__new__(type(module))
+    copy.__dict__ = dict(module.__dict__)
+    copy._modules = {name: _with_layer_index(child, index) for name, child in module._modules.items()}
+    if hasattr(copy, "layer_idx"):
+        copy.layer_idx = index
+    return copy
+
+
+def repeat_layers(model, total: int) -> None:
+    """Make `model`'s decoder `total` layers deep by reusing its layers' weights in turn, each
+    layer its own cache index: the work and memory traffic of a `total`-layer step (a layer's
+    weights outsize the GPU's cache) from a checkpoint of the unique layers only."""
+    layers = model.model.layers
+    unique = len(layers)
+    model.model.layers = torch.nn.ModuleList(
+        layers[i] if i < unique else _with_layer_index(layers[i % unique], i) for i in range(total))
+    config = model.config
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i % unique] for i in range(total)]
+    config.num_hidden_layers = total
 
 
 def random_checkpoint(config, device, root: str | None, init: str = "hf") -> str:
@@ -199,6 +226,9 @@ class Bench:
         else:
             path = self.checkpoint = random_checkpoint(self.config, self.device, self.args.ckpt_dir, self.args.init)
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **self.tp()).eval()
+        if self.args.unique_layers:
+            repeat_layers(self.model, self.args.layers)
+            self.config = self.model.config
         prepare_for_compile(self.model)  # graph breaks in HF code: q/k norm hooks (<= 5.17), looped experts
         c, a = self.config, self.args
         command = (f"python benchmarks/bench_hf_decode.py {' '.join(a.argv)}" if a.fake_world else
@@ -210,7 +240,7 @@ class Bench:
             "fake_world": a.fake_world, "device": torch.cuda.get_device_name() if self.cuda else "cpu",
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "arfusion": arfusion.__version__, "flashinfer": flashinfer_version(), "backend": a.backend,
-            "init": a.init, "rank_of": a.rank_of, "weights": "in memory" if in_memory else "checkpoint, TP plan",
+            "init": a.init, "rank_of": a.rank_of, "unique_layers": a.unique_layers, "weights": "in memory" if in_memory else "checkpoint, TP plan",
             "moe_finalize": moe_finalize_opted_in(),  # FlashInfer's MoE finalize kernel, opt-in
             "load_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": command}

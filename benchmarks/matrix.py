@@ -58,6 +58,7 @@ class Stage:
 LLAMA_DECODE = "--phases decode kernels --floor --batches 1 8 32 --replays 200"
 GENERATE = "--phases generate --pairs 8 --gen-variants greedy:1 sample:1 greedy:8 sample:8 --lengths 128 16"
 PREFILL = "--phases prefill --prefill 512 2048 8192 --quantized fp8 --replays 30"
+LLAMA70B = "--model-type llama70b --layers 80 --unique-layers 20"
 STAGES = {
     **{f"site{n}": Stage(n, 200, "bench_fused_op.py", "--hidden 4096 8192",
                          "one site, T = 1 ... 8192, bf16") for n in (2, 4)},
@@ -85,9 +86,11 @@ STAGES = {
     **{f"serve{n}": Stage(n, 560, "bench_serving.py", "--mixes 1,16,64 --repeats 6",
                           "generate_batch at 1/16/64 requests: TTFT, ITL, tokens/s (one config per run: :--configs=off)")
        for n in (2, 4)},
-    "decode4_70b": Stage(4, 560, "bench_hf_decode.py", "--model-type llama70b --layers 20 --phases decode --floor "
-                         "--batches 1 8 32 --replays 100 --tag decode70b",
-                         "Llama-3-70B shape (20 of 80 layers: 35 GB of weights to write and load) decode step, with the floor"),
+    # The 70B shape's 80 layers from 20 layers' weights (35 GB to write and load), each reused 4 times in turn.
+    "decode4_70b": Stage(4, 560, "bench_hf_decode.py", f"{LLAMA70B} --phases decode --floor --batches 1 8 32 "
+                         "--replays 100 --tag decode70b", "Llama-3-70B shape decode step, with the floor"),
+    "generate4_70b": Stage(4, 560, "bench_hf_decode.py", f"{LLAMA70B} {GENERATE} --gen-variants greedy_b1 --tag "
+                           "generate70b", "HF generate() of the Llama-3-70B shape, greedy, batch 1, 8 pairs"),
     # With FlashInfer's MoE finalize kernel: moe2:ARFUSION_FLASHINFER_MOE_FINALIZE=1 (its own folder).
     # 420 s was short at 24 layers on 4xH100 (2026-11-28: 100 s to write and load, batch 8 not reached).
     "moe2": Stage(2, 560, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --phases decode kernels --floor "
@@ -250,8 +253,9 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
                         "note": r.get("b_path", "") + {"ur_us": " (off: Inductor alone)",
                                                        "a_us": " (off: NCCL on a copy + the compiled norm)"}.get(off, "")})
     elif path.name.startswith("decode_"):
-        model = f"{meta['model_type']} {meta['layers']}L h{meta['hidden']}" + (", MoE finalize" if meta.get("moe_finalize")
-                                                                                else "")
+        model = (f"{meta['model_type']} {meta['layers']}L h{meta['hidden']}"
+                 + (f" ({meta['unique_layers']} unique)" if meta.get("unique_layers") else "")
+                 + (", MoE finalize" if meta.get("moe_finalize") else ""))
         tp, phases = meta["world"], data["phases"]
         for r in phases.get("decode", {}).get("rows", []):
             row = {**common, "path": "decode step (CUDA graph)", "model": model, "tp": tp, "case": f"batch {r['batch']}",

@@ -397,3 +397,39 @@ def test_llama_70b_preset_is_a_llama_of_that_shape():
     assert c.model_type == "llama" and c.num_hidden_layers == 20
     assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size) == (8192, 64, 8, 28672)
     assert decode_model.PRESETS["llama70b"]["num_hidden_layers"] == 80
+
+
+def test_repeated_layers_compute_the_deep_model_they_stand_for():
+    """--unique-layers: a 2-layer model made 6 deep by reusing its layers (decode_model.repeat_layers)
+    decodes as a 6-layer model whose layer i holds layer i % 2's weights, the KV cache included:
+    each copy reads and writes its own cache layer."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    sys.path.insert(0, str(BENCH.parent))
+    from decode_model import repeat_layers
+
+    def config(layers):
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           num_hidden_layers=layers, vocab_size=128, max_position_embeddings=64)
+
+    torch.manual_seed(0)
+    short = AutoModelForCausalLM.from_config(config(2)).eval()
+    deep = AutoModelForCausalLM.from_config(config(6)).eval()
+    with torch.no_grad():
+        for name, param in deep.named_parameters():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"]:
+                parts[2] = str(int(parts[2]) % 2)
+            param.copy_(short.get_parameter(".".join(parts)))
+    repeat_layers(short, 6)
+    assert len(short.model.layers) == 6 and short.config.num_hidden_layers == 6
+    assert short.model.layers[4].self_attn.layer_idx == 4 and short.model.layers[0].self_attn.layer_idx == 0
+    assert short.model.layers[4].self_attn.q_proj.weight is short.model.layers[0].self_attn.q_proj.weight
+    prompt = torch.tensor([[5, 9, 17, 3]])
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                  cache_implementation="static", pad_token_id=0)
+    got, want = short.generate(prompt, **kwargs), deep.generate(prompt, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b)

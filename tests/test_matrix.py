@@ -180,7 +180,10 @@ def test_goals_read_each_row_by_its_measure():
              "speed": 1.56, "vs_exact": 1.19},
             # a goal that names a family (qwen3_moe) says which model each row ran
             {**common, "path": "decode step (CUDA graph)", "model": "qwen3_moe 8L h2048, MoE finalize", "tp": 2,
-             "case": "batch 1", "speed": 1.139}]
+             "case": "batch 1", "speed": 1.139},
+            # the 70B shape's 80 layers from 20 layers' weights
+            {**common, "path": "HF generate()", "model": "llama 80L h8192 (20 unique)", "tp": 4,
+             "case": "greedy, batch 1", "speed": 1.05, "spread": [1.01, 1.09], "pairs": 8}]
     table = matrix_goals.goals_table(rows)
     line = lambda what: next(x for x in table.splitlines() if x.startswith(f"| {what} |"))  # noqa: E731
     assert "| 20.0% (batch 1, 5.24.0) |" in line("decode step, Llama-3-8B, batch 1, TP=2") and line(
@@ -190,6 +193,9 @@ def test_goals_read_each_row_by_its_measure():
     assert "| not measured |" in line("decode step, Llama-3-8B, batch 1, TP=4")
     assert "| 12.2% (qwen3_moe 8L h2048, MoE finalize, batch 1, 5.24.0) |" in line(
         "MoE decode step, Qwen3-30B-A3B shape, batch 1, TP=2")
+    assert "| 1.050× (llama 80L h8192 (20 unique), greedy, batch 1, 5.24.0) |" in line(
+        "HF generate(), faster, Llama-3-70B shape, TP=4") and line("HF generate(), faster, Llama-3-70B shape, TP=4"
+                                                                  ).endswith("| yes |")
     assert "| 1.190× (hidden 4096, 8 MiB per rank, 5.24.0) |" in line("quantized all-reduce, 8 MiB per rank, TP=2") and line(
         "quantized all-reduce, 8 MiB per rank, TP=2").endswith("| **no** |")
     rows[0].pop("comm_removed_pct")  # measured without the floor
