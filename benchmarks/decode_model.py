@@ -133,8 +133,10 @@ def _with_layer_index(module: torch.nn.Module, index: int) -> torch.nn.Module:
 
 def repeat_layers(model, total: int) -> None:
     """Make `model`'s decoder `total` layers deep by reusing its layers' weights in turn, each
-    layer its own cache index: the work and memory traffic of a `total`-layer step (a layer's
-    weights outsize the GPU's cache) from a checkpoint of the unique layers only."""
+    layer its own cache index: the work and memory traffic of a `total`-layer step from a
+    checkpoint of the unique layers only, where a layer's weights outsize the GPU's L2 cache (a
+    dense 70B layer: ~430 MB per GPU at TP=4; not an MoE layer at batch 1, which reads only its
+    active experts, nor a model whose first layers differ, e.g. DeepSeek's dense ones)."""
     layers = model.model.layers
     unique = len(layers)
     model.model.layers = torch.nn.ModuleList(
