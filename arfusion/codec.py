@@ -2,9 +2,10 @@
 
 Above a few MiB per rank the all-reduce is bandwidth-bound, and sending each rank's share in
 8 bits or fewer (one scale per small group of elements) beats an exact all-reduce even with the
-fused kernel (docs/benchmarks.md). Where `PassConfig(quantized_allreduce=...)` asks for it and a
-site's message is at or above the backend's crossover, the fused op runs the backend's quantized
-all-reduce and then the compiled residual add + RMSNorm (+ quant); below it, the exact path.
+fused kernel (docs/history/2026-11-26-benchmarks-before-the-matrix.md). Where
+`PassConfig(quantized_allreduce=...)` asks for it and a site's message is at or above the
+backend's crossover, the fused op runs the backend's quantized all-reduce and then the compiled
+residual add + RMSNorm (+ quant); below it, the exact path.
 
 The kernels (FlashInfer `quantized_all_reduce` on SM90+, aiter's quick all-reduce on MI300/
 MI350) are two-shot: every rank quantizes its input, each rank sums one stripe of all ranks'

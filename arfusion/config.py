@@ -65,7 +65,8 @@ class PassConfig:
     quant_forms: which quantization tails may be fused into the same op.
     unfused_on_current_stream: a matched site left unfused at compile time gets its all-reduce
         as a blocking NCCL call on the caller's stream instead of Inductor's side-stream one
-        (GPUs only; 2-5% faster per site inside CUDA graphs on H200, docs/benchmarks.md).
+        (GPUs only; 2-5% faster per site inside CUDA graphs on H200,
+        docs/history/2026-11-26-benchmarks-before-the-matrix.md).
     fuse_moe_combine: a site whose all-reduce input is an MoE top-k combine (HF grouped experts:
         `(rows * w)[inv_perm].view(T, K, H).sum(1)`) takes the combine into its op too
         (`arfusion::moe_combine_allreduce_rmsnorm`). On FlashInfer only with

@@ -27,7 +27,8 @@ def all_reduce_in_place(x: torch.Tensor, group_name: str) -> None:
 
     A blocking dist.all_reduce runs on the current stream; the functional collective (and so
     Inductor's own all-reduce) runs on NCCL's side stream and joins back, which inside a CUDA
-    graph cost 4-8 us more per call on H200 at 16-64 MiB (docs/benchmarks.md, column a1).
+    graph cost 4-8 us more per call on H200 at 16-64 MiB
+    (docs/history/2026-11-26-benchmarks-before-the-matrix.md, column a1).
     Mutating `x` lets Inductor reduce a dead intermediate (a row-parallel matmul's output) in
     place and copy anything else.
     """

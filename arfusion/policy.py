@@ -98,7 +98,8 @@ def plain_refusal(backend: Backend, call: Call, caps: Caps) -> Reason | None:
 
 def current_stream_pays(device: torch.device) -> bool:
     """Whether an all-reduce NCCL runs should run on the caller's stream (GPUs: inside CUDA
-    graphs the side-stream collective cost 4-8 us more per call on H200, docs/benchmarks.md)."""
+    graphs the side-stream collective cost 4-8 us more per call on H200,
+    docs/history/2026-11-26-benchmarks-before-the-matrix.md)."""
     return device.type == "cuda"
 
 

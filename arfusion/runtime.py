@@ -90,7 +90,7 @@ def on_helper_thread(fn: Callable[[], T]) -> T:
 def _mark_token_dims(args) -> None:
     # Token counts vary, hidden sizes do not: only the leading dims are symbolic. A fully dynamic
     # compile (dynamic=True, hidden symbolic too) made the per-group quant kernel 2-5x slower on
-    # H200 (10.5 vs 54.5 us at 2048 x 4096; docs/benchmarks.md).
+    # H200 (10.5 vs 54.5 us at 2048 x 4096; docs/history/2026-11-26-benchmarks-before-the-matrix.md).
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim() >= 2:
             for d in range(a.dim() - 1):

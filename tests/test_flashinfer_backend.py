@@ -468,7 +468,8 @@ def test_quant_sites_run_the_right_flashinfer_pattern(two_rank_results):
 
 @pytest.mark.parametrize("quant", ["fp8_static", "fp8_dynamic"])
 def test_quant_sites_share_the_unquantized_thresholds(backend, quant):
-    # Measured on H200 (docs/benchmarks.md, "FP8 quant rows"): the FP8 rows cross over where the plain rows do.
+    # Measured on H200 (docs/history/2026-11-26-benchmarks-before-the-matrix.md, "FP8 quant rows"):
+    # the FP8 rows cross over where the plain rows do.
     for emit_norm in (False, True):
         site = Form(residual=True, norm="rms", quant=quant, emit_norm=emit_norm)
         assert backend.why_not(call(1024, site=site)) is None

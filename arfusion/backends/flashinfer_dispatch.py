@@ -65,7 +65,8 @@ class Limits:
 
 
 # (SM major, world size) -> (fuse up to, one-shot up to), MiB per rank, for 16-bit inputs.
-#  - SM90 worlds 2 and 4: our H200 sweep (docs/benchmarks.md). Fused only while it beats NCCL
+#  - SM90 worlds 2 and 4: our H200 sweep (docs/history/2026-11-26-benchmarks-before-the-matrix.md).
+#    Fused only while it beats NCCL
 #    all_reduce *in place* + compiled add+RMSNorm, the unfused path of a real model:
 #    world 2 one-shot wins up to 32 MiB (1.02x there) and loses at 64 MiB (0.95x);
 #    world 4 one-shot wins up to 2 MiB, two-shot from there up to 8 MiB (1.03x), and loses at
@@ -96,8 +97,9 @@ GROUP_QUANT_MAX_MIB: dict[tuple[int, int], float] = {(9, 2): 4, (9, 4): 4}
 # as AR(f * x)) pays one more elementwise pass over the input where the kernel runs (the unfused
 # path folds f into its compiled norm). Fused only while the plain site's measured gain covers it:
 # on H200 an elementwise pass costs ~2 us + 2 x bytes / ~3.5 TB/s (2.6 us at 1 MiB, 6.8 at 8, 11.6
-# at 16), and the fused site gained over NCCL + compiled norm (docs/benchmarks.md, column a0 - b,
-# hidden 4096) 13 us at 8 MiB but 7 at 16 MiB (world 2), 10 us at 4 MiB but 4 at 8 MiB (world 4).
+# at 16), and the fused site gained over NCCL + compiled norm
+# (docs/history/2026-11-26-benchmarks-before-the-matrix.md, column a0 - b, hidden 4096) 13 us at
+# 8 MiB but 7 at 16 MiB (world 2), 10 us at 4 MiB but 4 at 8 MiB (world 4).
 # Estimated from those two measurements, not measured with a scale; SM100 takes SM90's entry.
 SCALED_INPUT_MAX_MIB: dict[tuple[int, int], float] = {(9, 2): 8, (9, 4): 4}
 
@@ -165,10 +167,11 @@ def moe_finalize_problem(sm_major: int, world_size: int, tokens: int | None) -> 
 # Quantized all-reduce (`flashinfer.comm.quantized_allreduce.quantized_all_reduce`: FP8 payload,
 # two-shot over torch symmetric memory, bf16 only): (SM major, world size) -> {level: MiB per rank
 # from which it is used, inclusive}. SM90 world 2, 2xH200 in CUDA graphs at the site (hidden 4096,
-# quantized all-reduce + compiled add+RMSNorm; docs/benchmarks.md) against FlashInfer's exact fused
-# kernel: 0.52/0.76/0.95/1.19/1.25/1.25x at 1/2/4/8/16/32 MiB; against NCCL + the same norm (the
-# exact path above the 32 MiB fused cap) 1.26x all-reduce alone at 64 MiB. Hence 8 MiB (again on
-# 4xH200 on 2026-11-28: 0.97/1.19/1.23/1.24x at 4/8/16/32 MiB). SM90 world 4, 4xH200, 2026-11-28
+# quantized all-reduce + compiled add+RMSNorm; docs/history/2026-11-26-benchmarks-before-the-matrix.md)
+# against FlashInfer's exact fused kernel: 0.52/0.76/0.95/1.19/1.25/1.25x at 1/2/4/8/16/32 MiB;
+# against NCCL + the same norm (the exact path above the 32 MiB fused cap) 1.26x all-reduce alone
+# at 64 MiB. Hence 8 MiB (again on 4xH200 on 2026-11-28: 0.97/1.19/1.23/1.24x at 4/8/16/32 MiB).
+# SM90 world 4, 4xH200, 2026-11-28
 # (docs/data/matrix/matrix_h200x4_2026-11-28_f.md, same harness), against the exact path (the fused
 # kernel up to 8 MiB, NCCL in place + compiled norm above): 0.90/1.31/1.38/1.48/1.30/1.31/1.26x at
 # 1/2/4/8/16/32/64 MiB. Hence 2 MiB. Other GPUs and worlds are unmeasured: `arfusion tune --quantized
@@ -184,7 +187,8 @@ QUANTIZED_MAX_BYTES = 64 * MiB
 # NCCL. It is measured against NCCL's all-reduce alone, so its caps sit below the fused site's.
 # SM90 worlds 2 and 4: 2xH200 / 4xH200, hidden 4096, in CUDA graphs, FlashInfer's fused kernel took
 # 0.50-0.79x of NCCL all_reduce alone up to T = 512 (4 MiB) at world 2 and up to T = 128 (1 MiB) at
-# world 4 (docs/benchmarks.md, per-site table: fi_fused vs nccl_ar); the plain kernel does less
+# world 4 (docs/history/2026-11-26-benchmarks-before-the-matrix.md, per-site table:
+# fi_fused vs nccl_ar); the plain kernel does less
 # than the fused one, so these are conservative until `arfusion tune` measures the plain kernel
 # itself. SM90 world 8 and SM100: vLLM's one-shot caps (vLLM PR #52998 makes this kernel its
 # default TP all-reduce with the caps of vllm/compilation/passes/fusion/allreduce_rms_fusion.py),
