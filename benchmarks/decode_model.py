@@ -242,7 +242,8 @@ class Bench:
             "fake_world": a.fake_world, "device": torch.cuda.get_device_name() if self.cuda else "cpu",
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "arfusion": arfusion.__version__, "flashinfer": flashinfer_version(), "backend": a.backend,
-            "init": a.init, "rank_of": a.rank_of, "unique_layers": a.unique_layers, "weights": "in memory" if in_memory else "checkpoint, TP plan",
+            "init": a.init, "rank_of": a.rank_of, "unique_layers": a.unique_layers,
+            "weights": "in memory" if in_memory else "checkpoint, TP plan",
             "moe_finalize": moe_finalize_opted_in(),  # FlashInfer's MoE finalize kernel, opt-in
             "load_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": command}

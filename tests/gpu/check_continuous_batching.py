@@ -91,13 +91,18 @@ def load(model_type: str, dtype: torch.dtype, device, whole_lm_head: bool):
     return model, prepared
 
 
-def upstream_splits(unfused: int, splits: dict[str, int]) -> list[str]:
-    """The notes for `unfused` all-reduces when every one of them is split from its norm by a graph
-    break in a function of UPSTREAM_GRAPH_BREAKS (`splits`: stats()["split_by_graph_breaks"]);
-    else [] (then an unfused all-reduce is a problem)."""
-    if unfused and splits and set(splits) <= set(UPSTREAM_GRAPH_BREAKS) and sum(splits.values()) == unfused:
+def upstream_breaks(splits: dict[str, int]) -> list[str]:
+    """The notes of `splits` (stats()["split_by_graph_breaks"]) when every graph break in them is in
+    a function of UPSTREAM_GRAPH_BREAKS, else []."""
+    if splits and set(splits) <= set(UPSTREAM_GRAPH_BREAKS):
         return [f"{fn}: {UPSTREAM_GRAPH_BREAKS[fn]}" for fn in splits]
     return []
+
+
+def upstream_splits(unfused: int, splits: dict[str, int]) -> list[str]:
+    """The notes for `unfused` all-reduces when every one of them is split from its norm by a graph
+    break in a function of UPSTREAM_GRAPH_BREAKS; else [] (then an unfused all-reduce is a problem)."""
+    return upstream_breaks(splits) if unfused and sum(splits.values()) == unfused else []
 
 
 def compare(model, runs: dict) -> dict:
@@ -138,11 +143,10 @@ def check_model(model_type: str, args, dtype, device, backend: str) -> dict:
     except RuntimeError as e:
         # Transformers' own failure: Inductor alone failed too, or (its run not captured: one GPU, gloo)
         # the model's graph breaks only where UPSTREAM_GRAPH_BREAKS lists, whose code the capture runs.
-        splits = arfusion.stats()["split_by_graph_breaks"]
         if not upstream:
-            if not (splits and set(splits) <= set(UPSTREAM_GRAPH_BREAKS)):
+            upstream = upstream_breaks(arfusion.stats()["split_by_graph_breaks"])
+            if not upstream:
                 raise
-            upstream += [f"{fn}: {UPSTREAM_GRAPH_BREAKS[fn]}" for fn in splits]
         upstream.append(f"the pass's run fails: {str(e)[:300]}")
         del model
         torch._dynamo.reset()
