@@ -153,6 +153,9 @@ for s in "$@"; do
     gpu) ARFUSION_GPU_OUT="$OUT/gpu" stage gpu "${LIMIT:-580}" python -m pytest tests/gpu -s ${GPU_K:+-k "$GPU_K"}
       cp "$OUT/gpu/summary.json" "$OUT/gpu_summary.json" 2>/dev/null
       tar czf "$OUT/gpu.tar.gz" -C "$OUT" gpu && rm -rf "$OUT/gpu" ;;
+    # The 4-GPU tests of tests/gpu (the faults and the soak at TP=4, quant sites, the fused op, the first call).
+    gpu4) GPU_K="four_gpus or (quant_sites and 4) or (matches_reference and 4) or (inside_reduce_overhead and 4)" \
+        bash "$0" gpu ;;
     first2) stage first2 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[2]" ;;
     first4) stage first4 "${LIMIT:-150}" python -m pytest -q -s -x "$GPU_TESTS::test_first_fused_call_inside_reduce_overhead[4]" ;;
     # Where only one GPU is lent (tests/gpu/shared_gpu.py: both ranks on GPU 0, gloo, what is computed,
