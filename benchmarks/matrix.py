@@ -56,7 +56,7 @@ class Stage:
 
 
 LLAMA_DECODE = "--phases decode kernels --floor --batches 1 8 32 --replays 200"
-GENERATE = "--phases generate --pairs 8 --gen-variants greedy:1 sample:1 greedy:8 sample:8 --lengths 128 16"
+GENERATE = "--phases generate --pairs 8 --lengths 128 16"  # + its variants: --gen-variants MODE:BATCH ...
 PREFILL = "--phases prefill --prefill 512 2048 8192 --quantized fp8 --replays 30"
 LLAMA70B = "--model-type llama70b --layers 80 --unique-layers 20"
 STAGES = {
@@ -70,13 +70,12 @@ STAGES = {
        for n in (2, 4)},
     **{f"decode{n}": Stage(n, 520, "bench_hf_decode.py", f"{LLAMA_DECODE} --tag decode",
                            "Llama-3-8B decode step in one CUDA graph, batch 1/8/32, with the floor") for n in (2, 4)},
-    **{f"generate{n}": Stage(n, 540, "bench_hf_decode.py", f"{GENERATE} --tag generate",
+    **{f"generate{n}": Stage(n, 540, "bench_hf_decode.py", f"{GENERATE} --gen-variants greedy:1 sample:1 greedy:8 sample:8 --tag generate",
                              "HF generate(), greedy and sampling, batch 1 and 8, 8 interleaved pairs") for n in (2, 4)},
     # The sampling variants alone: at TP=4 the four variants do not fit one call (2026-11-28: greedy at batch 1
     # and 8 took 290 s of a 320 s budget, ~140 s per variant with its first compiles).
     **{f"generatesample{n}": Stage(n, 540, "bench_hf_decode.py",
-                                   GENERATE.replace("greedy:1 sample:1 greedy:8 sample:8", "sample:1 sample:8")
-                                   + " --tag generate_sample", "HF generate(), sampling only, batch 1 and 8, 8 pairs")
+                                   f"{GENERATE} --gen-variants sample:1 sample:8 --tag generate_sample", "HF generate(), sampling only, batch 1 and 8, 8 pairs")
        for n in (2, 4)},
     **{f"prefill{n}": Stage(n, 420, "bench_hf_decode.py", f"{PREFILL} --tag prefill",
                             "prefill 512/2048/8192, with and without the quantized all-reduce") for n in (2, 4)},
@@ -89,7 +88,7 @@ STAGES = {
     # The 70B shape's 80 layers from 20 layers' weights (35 GB to write and load), each reused 4 times in turn.
     "decode4_70b": Stage(4, 560, "bench_hf_decode.py", f"{LLAMA70B} --phases decode --floor --batches 1 8 32 "
                          "--replays 100 --tag decode70b", "Llama-3-70B shape decode step, with the floor"),
-    "generate4_70b": Stage(4, 560, "bench_hf_decode.py", f"{LLAMA70B} {GENERATE} --gen-variants greedy_b1 --tag "
+    "generate4_70b": Stage(4, 560, "bench_hf_decode.py", f"{LLAMA70B} {GENERATE} --gen-variants greedy:1 --tag "
                            "generate70b", "HF generate() of the Llama-3-70B shape, greedy, batch 1, 8 pairs"),
     # With FlashInfer's MoE finalize kernel: moe2:ARFUSION_FLASHINFER_MOE_FINALIZE=1 (its own folder).
     # 420 s was short at 24 layers on 4xH100 (2026-11-28: 100 s to write and load, batch 8 not reached).

@@ -48,7 +48,9 @@ def test_stage_specs_and_commands():
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
     assert "decode2" in matrix.plan() and "generate4" in matrix.plan()
     cmd = matrix.stage_command("generatesample4", Path("/o"), 0, 540)
-    assert cmd[cmd.index("--gen-variants") + 1:cmd.index("--gen-variants") + 4] == ["sample:1", "sample:8", "--lengths"]
+    assert cmd[cmd.index("--gen-variants") + 1:cmd.index("--gen-variants") + 4] == ["sample:1", "sample:8", "--tag"]
+    cmd = matrix.stage_command("generate4_70b", Path("/o"), 0, 560)  # its one variant, given once
+    assert cmd.count("--gen-variants") == 1 and cmd[cmd.index("--gen-variants") + 1:][:2] == ["greedy:1", "--tag"]
 
 
 def test_lanes_run_side_by_side_and_their_stages_in_turn(tmp_path, monkeypatch):
