@@ -70,8 +70,8 @@ class PassConfig:
     fuse_moe_combine: a site whose all-reduce input is an MoE top-k combine (HF grouped experts:
         `(rows * w)[inv_perm].view(T, K, H).sum(1)`) takes the combine into its op too
         (`arfusion::moe_combine_allreduce_rmsnorm`). On FlashInfer only with
-        ARFUSION_FLASHINFER_MOE_FINALIZE=1 (in a Qwen3-MoE decode step on 2xH200 its finalize
-        kernel was 2% slower than the path without it; docs/flashinfer.md); otherwise Inductor
+        ARFUSION_FLASHINFER_MOE_FINALIZE=1 (in Qwen3-MoE and DeepSeek-V2 decode steps on 2xH200
+        its finalize kernel was 2-3% slower than the path without it; docs/flashinfer.md); otherwise Inductor
         compiles the combine and the site fuses alone.
     quantized_allreduce: None (exact, the default) or a payload format of QUANTIZED_LEVELS. Lossy
         and opt-in: a site whose per-rank message is at or above the backend's measured
