@@ -320,7 +320,7 @@ def run_host_phase(b, kind: str) -> dict:
         longest = 0.0  # the longest variant so far: one that could not end within the budget does not start
         measured = {}  # label -> its calls, profiled after every variant's pairs
         for label, sample, batch in variants:
-            if b.args.budget_s and time.time() + longest > b.started + b.args.budget_s:
+            if b.out_of_time(longest):
                 result["variants"][label] = {"skipped": "time budget (--budget-s) spent"}
                 b.say(f"{kind} {label}: skipped, time budget spent")
                 continue
@@ -343,7 +343,8 @@ def run_host_phase(b, kind: str) -> dict:
         # Profiles last, each within the budget: the measured pairs are saved whatever happens here.
         for label, calls in measured.items() if b.cuda else ():
             row = result["variants"][label]
-            if "error" in row or (b.args.budget_s and time.time() + row["seconds"] / 2 > b.started + b.args.budget_s):
+            late = b.out_of_time(row.get("seconds", 0) / 2)  # asked on every rank: rank 0 decides
+            if "error" in row or late:
                 continue
             profile_variant(b, runners, calls, row, progress)
             b.save()

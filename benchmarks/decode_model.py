@@ -211,6 +211,16 @@ class Bench:
         if self.rank == 0:
             print(*a, flush=True)
 
+    def out_of_time(self, needed_s: float = 0.0) -> bool:
+        """Whether work of `needed_s` seconds, started now, would end past the budget (--budget-s).
+        Rank 0 decides for every rank: ranks asking near the limit must not part ways (one in
+        the collectives, the other skipping)."""
+        if not self.args.budget_s:
+            return False
+        late = torch.tensor([float(time.time() + needed_s > self.started + self.args.budget_s)], device=self.device)
+        dist.broadcast(late, 0)
+        return bool(late.item())
+
     # ------------------------------------------------------------------ setup
 
     def load(self):

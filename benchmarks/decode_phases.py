@@ -117,7 +117,17 @@ def phase_decode(b):
     rows = []
     names = CONFIGS + (("floor",) if b.args.floor else ())
     dropped = NoAllReduce.dropped
+    compiled, longest, skipped = set(), 0.0, []  # graphs: "static" (batch 1), "dynamic" (every batch > 1)
     for batch in b.args.batches:
+        graph = "static" if batch == 1 else "dynamic"
+        # A batch that compiles its graph takes about as long as the longest batch so far; one that
+        # replays a compiled graph is short and always runs.
+        if graph not in compiled and b.out_of_time(longest):
+            skipped.append(batch)
+            b.say(f"decode batch {batch}: skipped, its compiles would end past the time budget (--budget-s)")
+            continue
+        compiled.add(graph)
+        started = time.time()
         row = {"batch": batch}
         for name in names:
             fn = b.compiled_model(name)
@@ -146,6 +156,7 @@ def phase_decode(b):
         b.say(f"decode batch {batch}: off {row['off_ms']:.3f} ms, on {row['on_ms']:.3f} ms, "
               f"{row['gain_pct']:+.1f}%{floor} ({row['on_dispatch']})")
         rows.append(row)
+        longest = max(longest, time.time() - started)
         b.result["phases"]["decode"] = {"rows": rows, "partial": True}  # a run cut short keeps its rows
         b.save()
     # What the pass did to the graphs timed here (MoE: all-reduces merged or moved).
@@ -154,6 +165,8 @@ def phase_decode(b):
     b.say(f"pass: {done}, forms {stats['by_pattern']}")
     out = {"rows": rows, "captured": b.cuda, "replays": b.args.replays, "context": b.args.prompt,
            "pass": done, "by_pattern": stats["by_pattern"]}
+    if skipped:
+        out["skipped_batches"] = {"batches": skipped, "why": "time budget (--budget-s): their compiles would have ended past it"}
     if b.args.floor:
         out["floor"] = {"all_reduces_dropped": NoAllReduce.dropped - dropped,
                         "what": "every all-reduce compiled as its input (no communication, wrong numbers): "

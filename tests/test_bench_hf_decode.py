@@ -49,7 +49,8 @@ def result(tmp_path_factory):
 @pytest.fixture(scope="module")
 def torchrun_result(tmp_path_factory):
     """The accuracy phase on two gloo ranks: the answers with real all-reduces."""
-    return run_tiny(tmp_path_factory.mktemp("bench_torchrun"), "--phases", "accuracy", "--steps", "8")
+    return run_tiny(tmp_path_factory.mktemp("bench_torchrun"), "--phases", "accuracy", "--steps", "8",
+                    "--budget-s", "10000")  # the budget's check is a broadcast from rank 0: run it on real ranks
 
 
 @pytest.mark.multiproc
@@ -307,7 +308,7 @@ def test_profiles_run_after_every_variants_pairs_are_saved():
     b = types.SimpleNamespace(args=types.SimpleNamespace(configs=["off", "on"], gen_variants=["greedy:1", "greedy:4", "sample:8"],
                                                          pairs=2, lengths=[32, 8], prompt=16, budget_s=1000, strict=False),
                               cuda=True, rank=1, model=None, compiled={}, result={"phases": {}}, started=time.time(),
-                              save=lambda: events.append("save"), say=lambda *_: None)
+                              save=lambda: events.append("save"), say=lambda *_: None, out_of_time=lambda needed_s=0.0: False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(decode_host.RUNNERS, "generate", Runner)
         mp.setattr(decode_host, "forget_compiles", lambda model: None)
@@ -316,6 +317,69 @@ def test_profiles_run_after_every_variants_pairs_are_saved():
         result = decode_host.run_host_phase(b, "generate")
     assert events == ["measure", "save", "save", "measure", "save", "profile", "save", "profile", "save"]
     assert "error" in result["variants"]["greedy_b4"] and result["variants"]["sample_b8"]["on"]["ms_per_token"] == 1.0
+
+
+def import_bench(name: str):
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+
+
+@pytest.mark.parametrize("budget, rows, skipped", [(30, [1], [8, 32]), (50, [1, 8, 32], None)])
+def test_decode_skips_a_batch_whose_compiles_would_pass_the_budget(budget, rows, skipped):
+    """A decode batch that compiles a graph (batch 1: the static one; the first batch > 1: the
+    dynamic one) starts only if a batch as long as the longest so far ends within --budget-s; one
+    that replays a compiled graph always runs. On 2xH200 (2026-11-28) a 27-layer DeepSeek-V2-Lite
+    step began batch 8 at 256 s of a 374 s budget and its compiles were cut by the call's limit."""
+    import torch
+
+    decode_phases = import_bench("decode_phases")
+    clock, asked = [0.0], []
+
+    def time_step(step, reset):
+        clock[0] += 10.0  # each config's compile and timed replays
+        return 1.0
+
+    def out_of_time(needed_s=0.0):
+        asked.append(needed_s)
+        return clock[0] + needed_s > budget
+
+    b = types.SimpleNamespace(
+        args=types.SimpleNamespace(floor=False, batches=[1, 8, 32], replays=3, prompt=4),
+        compiled_model=lambda name: None, prefilled=lambda batch: (types.SimpleNamespace(layers=[]), torch.zeros(batch, 1)),
+        time_step=time_step, rewinder=lambda cache, n: None, say=lambda *_: None, result={"phases": {}},
+        save=lambda: None, cuda=False, out_of_time=out_of_time)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_phases, "time", types.SimpleNamespace(time=lambda: clock[0]))
+        out = decode_phases.phase_decode(b)
+    assert [r["batch"] for r in out["rows"]] == rows
+    assert out.get("skipped_batches", {}).get("batches") == skipped
+    # Run: batch 32 replays batch 8's graph, never asked (at 40 s, 20 more would pass 50). Skipped:
+    # batch 32 would compile the dynamic graph itself, asked again.
+    assert asked == ([0.0, 20.0, 20.0] if skipped else [0.0, 20.0])
+
+
+def test_rank_zero_decides_the_budget_for_every_rank():
+    """Ranks asking near the limit must not part ways: a late rank 1 follows rank 0's answer."""
+    import time
+
+    import torch
+
+    decode_model = import_bench("decode_model")
+    late = types.SimpleNamespace(args=types.SimpleNamespace(budget_s=10.0), started=time.time() - 60, device=torch.device("cpu"))
+    sent = []
+
+    def broadcast(t, src):  # rank 0, on time, sends 0
+        sent.append(float(t.item()))
+        t.fill_(0.0)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_model.dist, "broadcast", broadcast)
+        assert decode_model.Bench.out_of_time(late) is False
+    assert sent == [1.0]  # rank 1 alone would have stopped
+    assert decode_model.Bench.out_of_time(types.SimpleNamespace(args=types.SimpleNamespace(budget_s=0))) is False
 
 
 @pytest.mark.multiproc
