@@ -39,6 +39,9 @@ message sizes (--mib, per rank, hidden 4096: tokens = MiB * 2^20 / (4096 * 2)), 
        dispatch table and the quantized crossover decide, as for a user
   q    arfusion's op with the quantized all-reduce forced (codec_min_bytes=0)
   fi_q FlashInfer's quantized_all_reduce called directly + the same compiled norm
+With --codec-knobs [KNOB=V1,V2 ...] also fi_q under every combination of FlashInfer's launch knobs
+(fused_op_cases.CODEC_KNOBS: block size, blocks, warps, P2P phase 3; none changes the numbers),
+each row's fastest (knobs_best_us, knobs_best) and the exact path against it (ex_vs_knobs_best).
 Each with what ran (stats()["dispatch"]) and the norm output's relative error against a0's. The
 exact path ("ex") is what arfusion takes without quantization: c where the table fuses, else a0.
 """
@@ -59,8 +62,8 @@ import torch.distributed as dist  # noqa: E402
 from common import dispatch_since, no_multicast, rel_err, rounded, save_json  # noqa: E402
 from arfusion.decisions import Reason  # noqa: E402
 from fused_op_cases import (EPS, TOKENS, add_norm, add_norm_quant, calls_per_graph, finish,  # noqa: E402
-                            init_distributed, inputs, launch_variant, make_model_fn, make_quant_model_fn,
-                            norm_weight, save_rows, with_pass)
+                            init_distributed, inputs, knob_grid, launch_variant, make_model_fn,
+                            make_quant_model_fn, norm_weight, save_rows, with_pass)
 from fused_op_report import format_codec_table, format_table, plot  # noqa: E402
 
 
@@ -292,6 +295,8 @@ def run_codec(args):
         arfusion.PassConfig(enable_allreduce_fusion=True, backend="auto", quantized_allreduce=level)))
     g = torch.Generator(device=device)
     weight = norm_weight(g, hidden, device)
+    grid = knob_grid(args.codec_knobs) if args.codec_knobs is not None else []
+    meta["codec_knobs"] = grid
     rows, started = [], time.time()
     for mib in args.mib:
         t = int(mib * 2**20) // (hidden * 2)
@@ -327,20 +332,28 @@ def run_codec(args):
         # largest size once, so the direct calls never grow it between captures.
         measure("q", lambda: tuning.fused_step(x, res, weight, EPS, gname, None, codec=level), 1)
         measure("fi_q", lambda: norm_a(fi_quantized(x, group), res, weight), 0)
+        for i, knobs in enumerate(grid):  # the same call under other launch knobs
+            measure(f"k{i}", lambda knobs=knobs: norm_a(fi_quantized(x, group, **knobs), res, weight), 0)
+            row.setdefault("knobs", []).append({"knobs": knobs, **{k[len(f"k{i}_"):]: row.pop(k) for k in list(row)
+                                                                   if k.startswith(f"k{i}_")}})
+        if timed := [k for k in row.get("knobs", ()) if "us" in k]:
+            best = min(timed, key=lambda k: k["us"])
+            row["knobs_best_us"], row["knobs_best"] = best["us"], best["knobs"]
         row["exact_path"] = fused_path(backend, Call.of_tensors(Form(residual=True, norm="rms"), x, weight, world,
                                                                 gname))
         row["exact_us"] = row.get("a0_us" if row["exact_path"] == "unfused" else "c_us")
         for name, num, den in (("q_vs_a0", "a0_us", "q_us"), ("q_vs_exact", "exact_us", "q_us"),
-                               ("b_vs_exact", "exact_us", "b_us"), ("fi_q_vs_q", "fi_q_us", "q_us")):
+                               ("b_vs_exact", "exact_us", "b_us"), ("fi_q_vs_q", "fi_q_us", "q_us"),
+                               ("ex_vs_knobs_best", "exact_us", "knobs_best_us")):
             if row.get(num) and row.get(den):
                 row[name] = row[num] / row[den]
         rows.append(row)
-        say(json.dumps(rounded(row, 4)))
+        say(json.dumps(rounded({k: v for k, v in row.items() if k != "knobs"}, 4)))
         save_rows(rank, path, meta, started, rows)
     finish(rank, backend, format_codec_table(rows), path)
 
 
-def main():
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
@@ -357,9 +370,16 @@ def main():
                    help="quantized all-reduce rows instead (bench_quantized_w<world>.json): exact paths vs it")
     p.add_argument("--mib", type=float, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
                    help="per-rank message sizes of --quantized, MiB (hidden 4096, bf16)")
+    p.add_argument("--codec-knobs", nargs="*", metavar="KNOB=V1,V2",
+                   help="with --quantized: also time FlashInfer's call under every combination of its launch knobs "
+                        "(alone: the whole grid of fused_op_cases.CODEC_KNOBS; KNOB=V1,V2 narrows one knob)")
     p.add_argument("--plot", nargs="+", help="bench_w*.json files to plot instead of measuring")
     p.add_argument("--png", default="bench_fused_op.png")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main():
+    args = parse_args()
     if args.plot:
         plot(args.plot, args.png)
     elif args.quantized:

@@ -135,3 +135,26 @@ def finish(rank, backend, table, path):
         print(f"wrote {path}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+# FlashInfer's quantized_all_reduce picks these from the message size alone (0.7.2.post1's
+# _select_params: block 4096, 132 blocks, 16 warps, P2P phase 3 from 32 MiB). None of them changes
+# the numbers: the scale group (256 elements) stays.
+CODEC_KNOBS = {"block_size": (4096, 8192, 16384), "max_num_blocks": (66, 132), "num_warps": (8, 16),
+               "p2p_phase3": (False, True)}
+
+
+def knob_grid(spec: list[str]) -> list[dict]:
+    """Every combination of the knobs: ["block_size=4096,8192", "p2p_phase3=1"] sets those two and
+    leaves the rest to CODEC_KNOBS; [] is CODEC_KNOBS whole."""
+    import itertools
+
+    values = dict(CODEC_KNOBS)
+    for item in spec:
+        name, _, listed = item.partition("=")
+        if name not in CODEC_KNOBS or not listed:
+            raise SystemExit(f"--codec-knobs: {item!r} is not KNOB=V1,V2 with KNOB one of {sorted(CODEC_KNOBS)}")
+        kind = bool if name == "p2p_phase3" else int
+        values[name] = tuple(kind(int(v)) for v in listed.split(","))
+    return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
+

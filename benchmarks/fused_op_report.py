@@ -25,6 +25,12 @@ def format_codec_table(rows):
         lines.append(f"{r['mib']:>4g} {r['tokens']:>5} {us('a0_us')} {us('c_us')} {us('b_us')} {us('q_us')} "
                      f"{us('fi_q_us')} {ratio('q_vs_a0')} {ratio('q_vs_exact')} {ratio('b_vs_exact')} "
                      f"{ratio('fi_q_vs_q')} {err}  {r['exact_path']}; {ran('b')}; {ran('c')}")
+    for r in rows:
+        if "knobs_best_us" in r:
+            knobs = ", ".join(f"{k}={v}" for k, v in r["knobs_best"].items())
+            lines.append(f"{r['mib']:>4g} MiB: FlashInfer's call {r.get('fi_q_us', float('nan')):.1f} us with its own knobs, "
+                         f"{r['knobs_best_us']:.1f} us at best of {len(r['knobs'])} ({knobs}); "
+                         f"the exact path / that: {r.get('ex_vs_knobs_best', float('nan')):.3f}x")
     return "\n".join(lines)
 
 

@@ -68,6 +68,8 @@ STAGES = {
     **{f"quantized{n}": Stage(n, 200, "bench_fused_op.py", "--quantized fp8",
                               "the quantized (FP8) all-reduce against the exact fused kernel, 1 ... 64 MiB per rank")
        for n in (2, 4)},
+    **{f"quantizedknobs{n}": Stage(n, 420, "bench_fused_op.py", "--quantized fp8 --mib 4 8 16 --codec-knobs",
+                                   "the same at 4/8/16 MiB, and FlashInfer's call under 24 launch knobs") for n in (2, 4)},
     **{f"decode{n}": Stage(n, 520, "bench_hf_decode.py", f"{LLAMA_DECODE} --tag decode",
                            "Llama-3-8B decode step in one CUDA graph, batch 1/8/32, with the floor") for n in (2, 4)},
     **{f"generate{n}": Stage(n, 540, "bench_hf_decode.py", f"{GENERATE} --gen-variants greedy:1 sample:1 greedy:8 sample:8 --tag generate",
@@ -100,9 +102,9 @@ STAGES = {
 
 
 def plan() -> str:
-    lines = [f"{'stage':<12} {'GPUs':>4} {'limit':>6}  what / command"]
+    lines = [f"{'stage':<15} {'GPUs':>4} {'limit':>6}  what / command"]
     for name, s in STAGES.items():
-        lines.append(f"{name:<12} {s.gpus:>4} {s.limit_s:>5}s  {s.what}\n{'':<25}benchmarks/{s.script} {s.args}")
+        lines.append(f"{name:<15} {s.gpus:>4} {s.limit_s:>5}s  {s.what}\n{'':<28}benchmarks/{s.script} {s.args}")
     return "\n".join(lines)
 
 
