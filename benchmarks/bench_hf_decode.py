@@ -168,8 +168,10 @@ def parse(argv):
                    help="configs of loop and generate (off alone at TP=1: nothing to fuse)")
     p.add_argument("--replays", type=int, default=100, help="CUDA-graph replays per decode measurement")
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
-    p.add_argument("--budget-s", type=float, default=0, help="skip what would pass this many seconds: a phase starting after it; a decode batch that compiles "
-                   "its graph, or a generate()/loop variant, that would end after it (rank 0 decides for every rank)")
+    p.add_argument("--budget-s", type=float, default=0,
+                   help="skip what would pass this many seconds: a phase starting after it; a decode batch that "
+                        "compiles its graph, or a generate()/loop variant, that would end after it (rank 0 decides "
+                        "for every rank)")
     p.add_argument("--strict", action="store_true", help="raise on a failing phase (tests)")
     p.add_argument("--ckpt-dir", default=None, help="where random checkpoints are written (default: temp dir)")
     p.add_argument("--cache-root", default=None, help="where the fresh Inductor cache dirs go (default: temp dir)")

@@ -166,7 +166,8 @@ def phase_decode(b):
     out = {"rows": rows, "captured": b.cuda, "replays": b.args.replays, "context": b.args.prompt,
            "pass": done, "by_pattern": stats["by_pattern"]}
     if skipped:
-        out["skipped_batches"] = {"batches": skipped, "why": "time budget (--budget-s): their compiles would have ended past it"}
+        out["skipped_batches"] = {"batches": skipped,
+                                  "why": "time budget (--budget-s): their compiles would have ended past it"}
     if b.args.floor:
         out["floor"] = {"all_reduces_dropped": NoAllReduce.dropped - dropped,
                         "what": "every all-reduce compiled as its input (no communication, wrong numbers): "

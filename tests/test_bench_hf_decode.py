@@ -308,7 +308,8 @@ def test_profiles_run_after_every_variants_pairs_are_saved():
     b = types.SimpleNamespace(args=types.SimpleNamespace(configs=["off", "on"], gen_variants=["greedy:1", "greedy:4", "sample:8"],
                                                          pairs=2, lengths=[32, 8], prompt=16, budget_s=1000, strict=False),
                               cuda=True, rank=1, model=None, compiled={}, result={"phases": {}}, started=time.time(),
-                              save=lambda: events.append("save"), say=lambda *_: None, out_of_time=lambda needed_s=0.0: False)
+                              save=lambda: events.append("save"), say=lambda *_: None,
+                              out_of_time=lambda needed_s=0.0: False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(decode_host.RUNNERS, "generate", Runner)
         mp.setattr(decode_host, "forget_compiles", lambda model: None)
@@ -348,7 +349,8 @@ def test_decode_skips_a_batch_whose_compiles_would_pass_the_budget(budget, rows,
 
     b = types.SimpleNamespace(
         args=types.SimpleNamespace(floor=False, batches=[1, 8, 32], replays=3, prompt=4),
-        compiled_model=lambda name: None, prefilled=lambda batch: (types.SimpleNamespace(layers=[]), torch.zeros(batch, 1)),
+        compiled_model=lambda name: None,
+        prefilled=lambda batch: (types.SimpleNamespace(layers=[]), torch.zeros(batch, 1)),
         time_step=time_step, rewinder=lambda cache, n: None, say=lambda *_: None, result={"phases": {}},
         save=lambda: None, cuda=False, out_of_time=out_of_time)
     with pytest.MonkeyPatch.context() as mp:
@@ -368,7 +370,8 @@ def test_rank_zero_decides_the_budget_for_every_rank():
     import torch
 
     decode_model = import_bench("decode_model")
-    late = types.SimpleNamespace(args=types.SimpleNamespace(budget_s=10.0), started=time.time() - 60, device=torch.device("cpu"))
+    late = types.SimpleNamespace(args=types.SimpleNamespace(budget_s=10.0), started=time.time() - 60,
+                                 device=torch.device("cpu"))
     sent = []
 
     def broadcast(t, src):  # rank 0, on time, sends 0
