@@ -1,20 +1,21 @@
 """The speed matrix: the ways users run a model, without and with the pass, side by side on one machine.
 
     python benchmarks/matrix.py plan                          # the stages: GPUs, time limit, command
-    python benchmarks/matrix.py run decode2@0,1+generate2@2,3 decode4 generate4 --out $OUT/m --deadline 560
+    python benchmarks/matrix.py run decode2 decode4 generate2@0,1+prefill2@2,3 --out $OUT/m --deadline 560
     python benchmarks/matrix.py run "serve2@0,1:--configs=off+serve2@2,3:--configs=on" --out $OUT/m --deadline 550
     python benchmarks/matrix.py report $OUT/m ... --out docs/data/matrix   # JSON + PNG + table per machine
 
 `run` takes groups in order; the stages of one group (joined by "+") run at the same time, each on
 the GPUs after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host; stages joined
-by ">" run one after another in their lane (quantized2@2,3>moe2@2,3 beside decode2@0,1). A stage may
+by ">" run one after another in their lane (quantized2@2,3>moe2@2,3 beside site2@0,1). A stage may
 set variables after ":" (generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl
 runs it with that transformers, installed apart). Each stage runs under its own limit, cut to what
 is left of --deadline, and writes its JSON and log under --out/STAGE (the folder's name adds the
 stage's variables and arguments). Off and on run in one process (serving: in two stages at once
 on two GPU pairs, or back to back on the same warm host), so every ratio comes from one machine.
-A decode stage compiles six graphs (off, on, floor; batch 1 and the dynamic batch): beside another stage's
-compiles it did not finish in 465 s on 4×H100 (2026-11-27), so give it the host alone. A serve
+A decode stage needs the host alone: its six compiles (off, on, floor; batch 1 and the dynamic batch)
+beside another stage's did not finish in 465 s on 4×H100 (2026-11-27), and beside the site stages its
+batch-1 floor came out 8% shorter than alone on another H200 host (2026-11-28). A serve
 stage runs one config at a time (:--configs=off, :--configs=on), and `report` joins the two files.
 
 `report` reads every result JSON under the folders given (bench_fused_op.py's bench_*_w*.json,
