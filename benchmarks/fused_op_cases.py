@@ -4,6 +4,7 @@ the distributed set-up, and saving rows as a stage goes."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 
@@ -147,8 +148,6 @@ CODEC_KNOBS = {"block_size": (4096, 8192, 16384), "max_num_blocks": (66, 132), "
 def knob_grid(spec: list[str]) -> list[dict]:
     """Every combination of the knobs: ["block_size=4096,8192", "p2p_phase3=1"] sets those two and
     leaves the rest to CODEC_KNOBS; [] is CODEC_KNOBS whole."""
-    import itertools
-
     values = dict(CODEC_KNOBS)
     for item in spec:
         name, _, listed = item.partition("=")
@@ -157,4 +156,3 @@ def knob_grid(spec: list[str]) -> list[dict]:
         kind = bool if name == "p2p_phase3" else int
         values[name] = tuple(kind(int(v)) for v in listed.split(","))
     return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
-

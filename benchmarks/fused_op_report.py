@@ -28,7 +28,8 @@ def format_codec_table(rows):
     for r in rows:
         if "knobs_best_us" in r:
             knobs = ", ".join(f"{k}={v}" for k, v in r["knobs_best"].items())
-            lines.append(f"{r['mib']:>4g} MiB: FlashInfer's call {r.get('fi_q_us', float('nan')):.1f} us with its own knobs, "
+            own = r.get("fi_q_us", float("nan"))
+            lines.append(f"{r['mib']:>4g} MiB: FlashInfer's call {own:.1f} us with its own knobs, "
                          f"{r['knobs_best_us']:.1f} us at best of {len(r['knobs'])} ({knobs}); "
                          f"the exact path / that: {r.get('ex_vs_knobs_best', float('nan')):.3f}x")
     return "\n".join(lines)

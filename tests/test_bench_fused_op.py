@@ -47,7 +47,7 @@ def test_the_matrix_stage_asks_for_the_whole_grid():
 def test_the_table_names_the_fastest_knobs_and_the_exact_path_against_them():
     faster = {**FLASHINFER_OWN, "p2p_phase3": True}
     row = {"mib": 8, "tokens": 1024, "a0_us": 55.1, "c_us": 42.1, "fi_q_us": 35.6, "exact_path": "fused one-shot",
-           "knobs": [{"knobs": FLASHINFER_OWN, "us": 35.6}, {"knobs": faster, "us": 31.0}],
+           "knobs": [{"knobs": FLASHINFER_OWN, "fi_q_us": 35.6}, {"knobs": faster, "fi_q_us": 31.0}],
            "knobs_best_us": 31.0, "knobs_best": faster, "ex_vs_knobs_best": 42.1 / 31.0}
     last = format_codec_table([row]).splitlines()[-1]
     assert "35.6 us with its own knobs, 31.0 us at best of 2" in last and "p2p_phase3=True" in last
