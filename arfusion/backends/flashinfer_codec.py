@@ -90,4 +90,5 @@ class QuantizedAllReduce:
         # Triton specialises the kernel per message size: the first call at a new size compiles
         # it (eager warm-up, as cudagraph trees and torch.compile do before capturing).
         module = importlib.import_module("flashinfer.comm.quantized_allreduce")
-        return module.quantized_all_reduce(x, dist.distributed_c10d._resolve_process_group(call.group_name))
+        knobs = dispatch.codec_knobs(self.facts(call).sm[0], call.world_size, x.numel() * x.element_size())
+        return module.quantized_all_reduce(x, dist.distributed_c10d._resolve_process_group(call.group_name), **knobs)

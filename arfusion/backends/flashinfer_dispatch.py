@@ -181,6 +181,17 @@ QUANTIZED_MIN_MIB: dict[tuple[int, int], dict[str, float]] = {(9, 2): {"fp8": 8}
 # The largest message measured (64 MiB: 1.26x); larger ones keep the exact path. It also sizes
 # the symmetric buffer (about half of it: one byte per element plus scales).
 QUANTIZED_MAX_BYTES = 64 * MiB
+# FlashInfer's launch knobs for that call where other ones were measured faster than its own choice
+# (`_select_params`, 0.7.2.post1: 4096-element blocks below 64 MiB, P2P phase 3 from 32 MiB):
+# (SM major, world size) -> (from MiB per rank, up to MiB inclusive, knobs), first match wins; the
+# rest of the sizes keep FlashInfer's. The scale group (256 elements) is not a knob: the error stays
+# (2.6e-2 in every setting). SM90 world 2, 2xH200, 2026-11-28, 24 settings per size in CUDA graphs
+# (`bench_fused_op.py --quantized fp8 --codec-knobs`; docs/data/matrix/matrix_h200x2_2026-11-28_i.md):
+# 8 MiB 35.6 -> 33.7 us with 16384-element blocks; 16 / 32 / 64 MiB 71.5 / 132.7 / 263.9 -> 61.9 /
+# 115.5 / 219.8 us with those and P2P phase 3 (32 and 64 MiB: 16 settings, block size 4096 or 16384).
+QUANTIZED_KNOBS: dict[tuple[int, int], tuple[tuple[float, float, dict], ...]] = {
+    (9, 2): ((8, 8, {"block_size": 16384}), (16, 64, {"block_size": 16384, "p2p_phase3": True})),
+}
 
 
 # The plain all-reduce (`arfusion::all_reduce`, FlashInfer's one-shot kAllReduce on the group's
@@ -293,6 +304,14 @@ def codec_min_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int, 
     return int(mib * MiB), f"seed table SM{sm_major}x world {world_size}"
 
 
+def codec_knobs(sm_major: int, world_size: int, nbytes: int) -> dict:
+    """Launch knobs for FlashInfer's quantized all-reduce of `nbytes` per rank; {}: its own."""
+    for low, high, knobs in QUANTIZED_KNOBS.get((sm_major, world_size), ()):
+        if low * MiB <= nbytes <= high * MiB:
+            return knobs
+    return {}
+
+
 def _cap_or_sm90(table: dict[tuple[int, int], float], sm_major: int, world_size: int) -> int | None:
     """A per-form cap in bytes per rank; a GPU without its own entry takes SM90's (measured); None: no limit."""
     mib = table.get((sm_major, world_size), table.get((9, world_size)))
@@ -321,6 +340,7 @@ def table_hash() -> str:
     seed += repr(sorted(GROUP_QUANT_MAX_MIB.items())) + repr(sorted(QUANT_MIN_SM.items()))
     seed += repr(sorted(SCALED_INPUT_MAX_MIB.items()))
     seed += repr(sorted(MOE_FINALIZE_MAX_TOKENS.items())) + repr(sorted(QUANTIZED_MIN_MIB.items()))
+    seed += repr(sorted(QUANTIZED_KNOBS.items()))
     seed += repr(sorted(PLAIN_MAX_MIB.items()))
     seed += repr(moe_finalize_opted_in())
     return hashlib.sha256(f"{seed}|{cache_hash()}".encode()).hexdigest()[:16]
