@@ -155,6 +155,30 @@ def test_flashinfer_has_fp8_only(h200):
     assert h200.codec_why_not(call(4096), "int4").code is Why.NO_KERNEL
 
 
+@pytest.mark.parametrize("world, mib, knobs", [
+    (2, 4, {}),  # below the measured range: FlashInfer's own
+    (2, 8, {"block_size": 16384}),
+    (2, 16, {"block_size": 16384, "p2p_phase3": True}),
+    (2, 64, {"block_size": 16384, "p2p_phase3": True}),
+    (2, 80, {}),  # above the largest size measured
+    (4, 8, {}),  # TP=4 unmeasured: never guessed
+])
+def test_flashinfer_launch_knobs_come_from_the_measured_table(h200, monkeypatch, world, mib, knobs):
+    """codec_all_reduce hands FlashInfer the table's knobs for the message's size, or none."""
+    seen = []
+
+    def quantized_all_reduce(inp, group, **kwargs):
+        seen.append(kwargs)
+        return inp
+
+    monkeypatch.setitem(sys.modules, "flashinfer.comm.quantized_allreduce",
+                        types.SimpleNamespace(quantized_all_reduce=quantized_all_reduce))
+    monkeypatch.setattr(dist.distributed_c10d, "_resolve_process_group", lambda name: "group")
+    x = torch.empty(int(mib * MiB) // 2, dtype=BF16, device="meta")
+    h200.codec_all_reduce(call(None, world=world), x, "fp8")
+    assert seen == [knobs]
+
+
 def test_user_threshold_and_tuned_cache_override_the_table(h200, tmp_path):
     assert h200.codec_why_not(call(tokens_for(1)), "fp8", min_bytes_override=0) is None
     assert h200.codec_why_not(call(tokens_for(16)), "fp8", min_bytes_override=32 * MiB).code is Why.BELOW_CROSSOVER
