@@ -177,6 +177,8 @@ def test_flashinfer_launch_knobs_come_from_the_measured_table(h200, monkeypatch,
     x = torch.empty(int(mib * MiB) // 2, dtype=BF16, device="meta")
     h200.codec_all_reduce(call(None, world=world), x, "fp8")
     assert seen == [knobs]
+    text = dispatch.codec_knobs_text(9, world)  # what the buffer's INFO line says
+    assert ("block_size=16384" in text) == (world == 2) and ("own" in text)
 
 
 def test_user_threshold_and_tuned_cache_override_the_table(h200, tmp_path):

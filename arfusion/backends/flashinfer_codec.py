@@ -82,8 +82,9 @@ class QuantizedAllReduce:
             return state.codec_failed
         state.codec_ready = True
         log.info("arfusion: FlashInfer quantized all-reduce for group %s (world %d) ready in %.1fs (buffer for "
-                 "%.0f MiB per rank)", call.group_name, group.size(), time.perf_counter() - started,
-                 dispatch.QUANTIZED_MAX_BYTES / dispatch.MiB)
+                 "%.0f MiB per rank; %s)", call.group_name, group.size(), time.perf_counter() - started,
+                 dispatch.QUANTIZED_MAX_BYTES / dispatch.MiB,
+                 dispatch.codec_knobs_text(self.facts(call).sm[0], group.size()))
         return None
 
     def codec_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:

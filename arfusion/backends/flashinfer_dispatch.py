@@ -312,6 +312,16 @@ def codec_knobs(sm_major: int, world_size: int, nbytes: int) -> dict:
     return {}
 
 
+def codec_knobs_text(sm_major: int, world_size: int) -> str:
+    """Which launch knobs the quantized all-reduce runs with here, for the log."""
+    ranges = QUANTIZED_KNOBS.get((sm_major, world_size))
+    if not ranges:
+        return "FlashInfer's own launch knobs (none measured for this GPU and world size)"
+    return "measured launch knobs: " + "; ".join(
+        (f"{low:g} MiB " if low == high else f"{low:g}-{high:g} MiB ") + ", ".join(f"{k}={v}" for k, v in knobs.items())
+        for low, high, knobs in ranges) + "; FlashInfer's own at other sizes"
+
+
 def _cap_or_sm90(table: dict[tuple[int, int], float], sm_major: int, world_size: int) -> int | None:
     """A per-form cap in bytes per rank; a GPU without its own entry takes SM90's (measured); None: no limit."""
     mib = table.get((sm_major, world_size), table.get((9, world_size)))
