@@ -81,10 +81,11 @@ class QuantizedAllReduce:
             state.codec_failed = problem or "FlashInfer quantized all-reduce set-up failed on another rank"
             return state.codec_failed
         state.codec_ready = True
+        knobs = (dispatch.codec_knobs_text(self.facts(call).sm[0], group.size()) if call.device.type == "cuda"
+                 else "no CUDA device")  # a stand-in module on CPU (tests)
         log.info("arfusion: FlashInfer quantized all-reduce for group %s (world %d) ready in %.1fs (buffer for "
                  "%.0f MiB per rank; %s)", call.group_name, group.size(), time.perf_counter() - started,
-                 dispatch.QUANTIZED_MAX_BYTES / dispatch.MiB,
-                 dispatch.codec_knobs_text(self.facts(call).sm[0], group.size()))
+                 dispatch.QUANTIZED_MAX_BYTES / dispatch.MiB, knobs)
         return None
 
     def codec_all_reduce(self, call: Call, x: torch.Tensor, level: str) -> torch.Tensor:
