@@ -158,9 +158,9 @@ def test_flashinfer_has_fp8_only(h200):
 @pytest.mark.parametrize("world, mib, knobs", [
     (2, 4, {}),  # below the measured range: FlashInfer's own
     (2, 8, {"block_size": 16384}),
+    (2, 12, {"block_size": 16384}),  # between two sizes measured: the smaller one's
     (2, 16, {"block_size": 16384, "p2p_phase3": True}),
-    (2, 64, {"block_size": 16384, "p2p_phase3": True}),
-    (2, 80, {}),  # above the largest size measured
+    (2, 64, {"block_size": 16384, "p2p_phase3": True}),  # the largest quantized at all (QUANTIZED_MAX_BYTES)
     (4, 8, {}),  # TP=4 unmeasured: never guessed
 ])
 def test_flashinfer_launch_knobs_come_from_the_measured_table(h200, monkeypatch, world, mib, knobs):
@@ -178,7 +178,7 @@ def test_flashinfer_launch_knobs_come_from_the_measured_table(h200, monkeypatch,
     h200.codec_all_reduce(call(None, world=world), x, "fp8")
     assert seen == [knobs]
     text = dispatch.codec_knobs_text(9, world)  # what the buffer's INFO line says
-    assert ("block_size=16384" in text) == (world == 2) and ("own" in text)
+    assert ("from 8 MiB block_size=16384" in text) == (world == 2) and ("own" in text) == (world != 2)
 
 
 def test_user_threshold_and_tuned_cache_override_the_table(h200, tmp_path):

@@ -183,14 +183,16 @@ QUANTIZED_MIN_MIB: dict[tuple[int, int], dict[str, float]] = {(9, 2): {"fp8": 8}
 QUANTIZED_MAX_BYTES = 64 * MiB
 # FlashInfer's launch knobs for that call where other ones were measured faster than its own choice
 # (`_select_params`, 0.7.2.post1: 4096-element blocks below 64 MiB, P2P phase 3 from 32 MiB):
-# (SM major, world size) -> (from MiB per rank, up to MiB inclusive, knobs), first match wins; the
-# rest of the sizes keep FlashInfer's. The scale group (256 elements) is not a knob: the error stays
-# (2.6e-2 in every setting). SM90 world 2, 2xH200, 2026-11-28, 24 settings per size in CUDA graphs
-# (`bench_fused_op.py --quantized fp8 --codec-knobs`; docs/data/matrix/matrix_h200x2_2026-11-28_i.md):
-# 8 MiB 35.6 -> 33.7 us with 16384-element blocks; 16 / 32 / 64 MiB 71.5 / 132.7 / 263.9 -> 61.9 /
-# 115.5 / 219.8 us with those and P2P phase 3 (32 and 64 MiB: 16 settings, block size 4096 or 16384).
-QUANTIZED_KNOBS: dict[tuple[int, int], tuple[tuple[float, float, dict], ...]] = {
-    (9, 2): ((8, 8, {"block_size": 16384}), (16, 64, {"block_size": 16384, "p2p_phase3": True})),
+# (SM major, world size) -> ((from MiB per rank, knobs), ...) ascending; a message takes the last
+# entry it reaches, up to QUANTIZED_MAX_BYTES, and one below the first keeps FlashInfer's knobs. The
+# scale group (256 elements) is not a knob: the error stays (2.6e-2 in every setting). SM90 world 2,
+# 2xH200, 2026-11-28, 24 settings per size in CUDA graphs (`bench_fused_op.py --quantized fp8
+# --codec-knobs`; docs/data/matrix/matrix_h200x2_2026-11-28_i.md): 8 MiB 35.6 -> 33.7 us with
+# 16384-element blocks; 16 / 32 / 64 MiB 71.5 / 132.7 / 263.9 -> 61.9 / 115.5 / 219.8 us with those
+# and P2P phase 3 (32 and 64 MiB: 16 settings, block size 4096 or 16384). Between two sizes measured
+# the smaller one's knobs: at 8 and at 16 MiB either entry's knobs beat FlashInfer's own.
+QUANTIZED_KNOBS: dict[tuple[int, int], tuple[tuple[float, dict], ...]] = {
+    (9, 2): ((8, {"block_size": 16384}), (16, {"block_size": 16384, "p2p_phase3": True})),
 }
 
 
@@ -306,20 +308,20 @@ def codec_min_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int, 
 
 def codec_knobs(sm_major: int, world_size: int, nbytes: int) -> dict:
     """Launch knobs for FlashInfer's quantized all-reduce of `nbytes` per rank; {}: its own."""
-    for low, high, knobs in QUANTIZED_KNOBS.get((sm_major, world_size), ()):
-        if low * MiB <= nbytes <= high * MiB:
-            return knobs
-    return {}
+    chosen = {}
+    for from_mib, knobs in QUANTIZED_KNOBS.get((sm_major, world_size), ()):
+        if nbytes >= from_mib * MiB:
+            chosen = knobs
+    return chosen
 
 
 def codec_knobs_text(sm_major: int, world_size: int) -> str:
     """Which launch knobs the quantized all-reduce runs with here, for the log."""
-    ranges = QUANTIZED_KNOBS.get((sm_major, world_size))
-    if not ranges:
+    entries = QUANTIZED_KNOBS.get((sm_major, world_size))
+    if not entries:
         return "FlashInfer's own launch knobs (none measured for this GPU and world size)"
     return "measured launch knobs: " + "; ".join(
-        (f"{low:g} MiB " if low == high else f"{low:g}-{high:g} MiB ") + ", ".join(f"{k}={v}" for k, v in knobs.items())
-        for low, high, knobs in ranges) + "; FlashInfer's own at other sizes"
+        f"from {from_mib:g} MiB " + ", ".join(f"{k}={v}" for k, v in knobs.items()) for from_mib, knobs in entries)
 
 
 def _cap_or_sm90(table: dict[tuple[int, int], float], sm_major: int, world_size: int) -> int | None:
