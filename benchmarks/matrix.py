@@ -89,10 +89,12 @@ STAGES = {
                           "generate_batch at 1/16/64 requests: TTFT, ITL, tokens/s (one config per run: :--configs=off)")
        for n in (2, 4)},
     # The 70B shape's 80 layers from 20 layers' weights (35 GB to write and load), each reused 4 times in turn.
-    "decode4_70b": Stage(4, 560, "bench_hf_decode.py", f"{LLAMA70B} --phases decode --floor --batches 1 8 32 "
-                         "--replays 100 --tag decode70b", "Llama-3-70B shape decode step, with the floor"),
-    "generate4_70b": Stage(4, 560, "bench_hf_decode.py", f"{LLAMA70B} {GENERATE} --gen-variants greedy:1 --tag "
-                           "generate70b", "HF generate() of the Llama-3-70B shape, greedy, batch 1, 8 pairs"),
+    **{f"decode{n}_70b": Stage(n, 560, "bench_hf_decode.py", f"{LLAMA70B} --phases decode --floor --batches 1 8 32 "
+                               "--replays 100 --tag decode70b", "Llama-3-70B shape decode step, with the floor")
+       for n in (2, 4)},
+    **{f"generate{n}_70b": Stage(n, 560, "bench_hf_decode.py", f"{LLAMA70B} {GENERATE} --gen-variants greedy:1 --tag "
+                                 "generate70b", "HF generate() of the Llama-3-70B shape, greedy, batch 1, 8 pairs")
+       for n in (2, 4)},
     # With FlashInfer's MoE finalize kernel: moe2:ARFUSION_FLASHINFER_MOE_FINALIZE=1 (its own folder).
     # 420 s was short at 24 layers on 4xH100 (2026-11-28: 100 s to write and load, batch 8 not reached).
     "moe2": Stage(2, 560, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --phases decode kernels --floor "
@@ -203,10 +205,8 @@ def run(groups: list[str], out: Path, deadline_s: float) -> int:
             counts[i] = sum(run_stage(spec, i, out, end) for spec in lane)
 
         threads = [threading.Thread(target=lane_run, args=(i, lane)) for i, lane in enumerate(lanes)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        [t.start() for t in threads]
+        [t.join() for t in threads]
         failed += sum(counts)
     return failed
 
