@@ -92,22 +92,7 @@ NEED_BOTH = ("startup", "decode", "accuracy", "prefill", "kernels")  # compare o
 
 def run(b: Bench) -> None:
     b.load()
-    for phase in b.args.phases:
-        if b.out_of_time():
-            b.result["phases"][phase] = {"skipped": "time budget (--budget-s) spent"}
-            b.say(f"{phase}: skipped, time budget spent")
-            continue
-        t0 = time.time()
-        try:
-            result = PHASES[phase](b)
-        except Exception as e:  # the same shapes on every rank: an error is every rank's
-            if b.args.strict:
-                raise
-            result = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-            b.say(f"{phase}: FAILED {result['error']}")
-        result["phase_seconds"] = round(time.time() - t0, 1)
-        b.result["phases"][phase] = result
-        b.save()
+    run_phases(b)
     b.say(format_table(b.result))
     # A run once stopped here for minutes at TP=4 (after its results were saved): if that
     # recurs, print where every thread is and exit instead of hanging.
@@ -125,6 +110,27 @@ def run(b: Bench) -> None:
         backend.close()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
+
+
+def run_phases(b: Bench) -> None:
+    """Each phase in turn, its result saved after it (a failing one keeps what it saved)."""
+    for phase in b.args.phases:
+        if b.out_of_time():
+            b.result["phases"][phase] = {"skipped": "time budget (--budget-s) spent"}
+            b.say(f"{phase}: skipped, time budget spent")
+            continue
+        t0 = time.time()
+        try:
+            result = PHASES[phase](b)
+        except Exception as e:  # the same shapes on every rank: an error is every rank's
+            if b.args.strict:
+                raise
+            # What the phase saved before it failed (decode: its timed rows and configs) stays.
+            result = {**b.result["phases"].get(phase, {}), "error": f"{type(e).__name__}: {str(e)[:500]}"}
+            b.say(f"{phase}: FAILED {result['error']}")
+        result["phase_seconds"] = round(time.time() - t0, 1)
+        b.result["phases"][phase] = result
+        b.save()
 
 
 def parse(argv):

@@ -142,6 +142,10 @@ def phase_decode(b):
             row[f"{name}_ms"] = b.time_step(step, b.rewinder(cache, b.args.prompt))
             row[f"{name}_dispatch"] = dispatch_since(before)
             del cache
+            b.say(f"decode batch {batch}: {name} {row[f'{name}_ms']:.3f} ms")
+            # A run killed before the batch's last config keeps the configs it timed.
+            b.result["phases"]["decode"] = {"rows": rows, "partial": True, "incomplete_row": row}
+            b.save()
         row["speedup"] = round(row["off_ms"] / row["on_ms"], 3)
         row["gain_pct"] = round(100 * (1 - row["on_ms"] / row["off_ms"]), 1)
         row["on_tokens_per_s"] = round(batch * 1e3 / row["on_ms"], 1)

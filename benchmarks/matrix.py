@@ -326,11 +326,11 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         spread = f"{r['spread'][0]:.3f}–{r['spread'][1]:.3f} ({r['pairs']} pairs)" if "spread" in r else ""
         note = r.get("note", "")
-        if r.get("gpu_busy_fraction"):
+        if any(f is not None for f in r.get("gpu_busy_fraction") or ()):  # None: no kernel profile in that run
             # A fraction outside 0..1 is a profile spoiled by rank skew (a collective waiting for its peer).
             note = "GPU busy " + " / ".join(f"{100 * f:.0f}%" if f is not None and 0 <= f <= 1 else "?"
-                                            for f in r["gpu_busy_fraction"])
-            note += f" (off / on); {r['excluded_pairs']} pairs excluded" if r.get("excluded_pairs") else " (off / on)"
+                                            for f in r["gpu_busy_fraction"]) + " (off / on)"
+        note += f"{'; ' if note else ''}{r['excluded_pairs']} excluded (graphs recorded again)" if r.get("excluded_pairs") else ""
         if r.get("comm_removed_pct") is not None:
             note = f"removes {r['comm_removed_pct']:.0f}% of the all-reduces' time"
         flag = below(r)

@@ -363,6 +363,39 @@ def test_decode_skips_a_batch_whose_compiles_would_pass_the_budget(budget, rows,
     assert asked == ([0.0, 20.0, 20.0] if skipped else [0.0, 20.0])
 
 
+def test_decode_keeps_the_configs_it_timed_when_a_later_one_fails():
+    """A decode batch saves each config as it is timed, and a failing phase keeps what it saved: on
+    2xH200 (2026-11-28) a 70B-shape batch 8 at 80 layers was killed in its compiles with nothing
+    written, although its first configs may have been timed."""
+    import torch
+
+    decode_phases = import_bench("decode_phases")
+    bench = import_bench("bench_hf_decode")
+    saved = []
+
+    def time_step(step, reset):
+        if time_step.calls == 2:  # off, on, then the floor fails
+            raise RuntimeError("floor compile failed")
+        time_step.calls += 1
+        return 2.0 if time_step.calls == 1 else 1.5
+    time_step.calls = 0
+
+    b = types.SimpleNamespace(
+        args=types.SimpleNamespace(floor=True, batches=[8], replays=3, prompt=4, phases=["decode"], strict=False),
+        compiled_model=lambda name: None,
+        prefilled=lambda batch: (types.SimpleNamespace(layers=[]), torch.zeros(batch, 1)),
+        time_step=time_step, rewinder=lambda cache, n: None, say=lambda *_: None, result={"phases": {}},
+        cuda=False, out_of_time=lambda needed_s=0.0: False)
+    b.save = lambda: saved.append(json.loads(json.dumps(b.result["phases"].get("decode", {}))))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(bench.PHASES, "decode", decode_phases.phase_decode)
+        bench.run_phases(b)
+    decode = b.result["phases"]["decode"]
+    assert "floor compile failed" in decode["error"] and decode["partial"]
+    assert decode["rows"] == [] and decode["incomplete_row"]["off_ms"] == 2.0 and decode["incomplete_row"]["on_ms"] == 1.5
+    assert [sorted(k for k in s["incomplete_row"] if k.endswith("_ms")) for s in saved[:2]] == [["off_ms"], ["off_ms", "on_ms"]]
+
+
 def test_rank_zero_decides_the_budget_for_every_rank():
     """Ranks asking near the limit must not part ways: a late rank 1 follows rank 0's answer."""
     import time
