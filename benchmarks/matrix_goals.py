@@ -75,8 +75,9 @@ GOALS = (
     Goal("generate_batch, 1 request, inter-token latency, TP=2", "generate_batch", LLAMA8B, 2, "1 requests, ms inter-token",
          "saved", 0.05),
     *(Goal(f"HF generate(), never slower, TP={tp}", "HF generate()", "llama", tp, "", "speed", BAR) for tp in (2, 4)),
-    # "faster where the step is GPU-bound": the 70B shape at TP=4.
-    Goal("HF generate(), faster, Llama-3-70B shape, TP=4", "HF generate()", LLAMA70B, 4, "", "speed", 1.0),
+    # "faster where the step is GPU-bound": the 70B shape at TP=4 (the case), and at TP=2 (beyond it).
+    *(Goal(f"HF generate(), faster, Llama-3-70B shape, TP={tp}", "HF generate()", LLAMA70B, tp, "", "speed", 1.0)
+      for tp in (4, 2)),
     Goal("MoE decode step, Qwen3-30B-A3B shape, batch 1, TP=2", STEP, "qwen3_moe", 2, "batch 1", "saved", 0.10),
     Goal("quantized all-reduce, 8 MiB per rank, TP=2", "site, quantized all-reduce", "", 2, "8 MiB", "vs_exact", 1.2),
     # "TP=4 measured": no bar of its own; never slower than the exact path.
