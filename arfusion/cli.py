@@ -1,6 +1,6 @@
 """The `arfusion` command.
 
-    torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096 [--dtype bf16] [--quantized fp8]
+    torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096 [--dtype bf16] [--quantized fp8 [--knobs]]
     arfusion table            # what dispatch would do, per table entry and tuned entry
     arfusion check llama      # what the pass fuses in a HF model: CPU, one process (docs/check.md)
 """
@@ -38,7 +38,7 @@ def _tune(args) -> int:
     try:
         for hidden in args.hidden:
             entry = tuning.tune(hidden, DTYPES[args.dtype], tokens, cache=args.cache, eps=args.eps,
-                                calls=args.calls, replays=args.replays, quantized=args.quantized)
+                                calls=args.calls, replays=args.replays, quantized=args.quantized, knobs=args.knobs)
             if dist.get_rank() == 0:
                 print(f"\n{entry['gpu']}, world {entry['world_size']}, hidden {hidden}, {entry['dtype']}")
                 print(tuning.format_rows(entry))
@@ -63,14 +63,18 @@ def _table(args) -> int:
     for key, entry in sorted(dispatch.tuned_entries().items()):
         quantized = "".join(f", {lv} quantized all-reduce " + ("never" if start is None else f"from {start} tokens")
                             for lv, start in entry.get("quantized_min_tokens", {}).items())
+        knobs = "".join(f", {lv} launch knobs " + (dispatch.steps_text(steps, "tokens") or "FlashInfer's own")
+                        for lv, steps in entry.get("quantized_knobs", {}).items())
         print(f"  {key}: fuse up to {entry['max_fused_tokens']} tokens, one-shot up to "
-              f"{entry['oneshot_max_tokens']} tokens{quantized}")
+              f"{entry['oneshot_max_tokens']} tokens{quantized}{knobs}")
     print("plain all-reduce seed table (the fast path of all-reduces that are not sites; MiB per rank, inclusive):")
     for (sm, ws), mib in sorted(dispatch.PLAIN_MAX_MIB.items()):
         print(f"  SM{sm}x world {ws}: up to {mib:g} MiB")
     print("quantized all-reduce seed table (opt-in; MiB per rank from which it is used, inclusive):")
     for (sm, ws), levels in sorted(dispatch.QUANTIZED_MIN_MIB.items()):
         print(f"  SM{sm}x world {ws}: " + ", ".join(f"{lv} from {mib:g} MiB" for lv, mib in levels.items()))
+    for (sm, ws), steps in sorted(dispatch.QUANTIZED_KNOBS.items()):
+        print(f"  SM{sm}x world {ws} launch knobs: " + dispatch.steps_text([(mib * dispatch.MiB, k) for mib, k in steps]))
     if args.json:
         print(json.dumps(dispatch.tuned_entries(), indent=1))
     return 0
@@ -91,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--replays", type=int, default=30, help="graph replays per measurement")
     tune.add_argument("--quantized", choices=["fp8"], default=None,
                       help="also measure where FlashInfer's quantized all-reduce starts to pay")
+    tune.add_argument("--knobs", action="store_true",
+                      help="with --quantized: also time FlashInfer's launch knobs for it (block size, P2P phase 3) "
+                           "from 1 MiB per rank and store the fastest")
     tune.set_defaults(func=_tune)
     table = sub.add_parser("table", help="print the dispatch table and tuned entries")
     table.add_argument("--json", action="store_true", help="also dump the tuned entries")
@@ -107,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--quiet", action="store_true", help="no progress bar")
     chk.set_defaults(func=check.main)
     args = parser.parse_args(argv)
+    if getattr(args, "knobs", False) and not args.quantized:
+        parser.error("--knobs: the launch knobs are the quantized all-reduce's; add --quantized fp8")
     return args.func(args)
 
 

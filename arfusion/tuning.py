@@ -7,8 +7,10 @@ Run under torchrun, one process per GPU of the tensor-parallel group:
 For each token count it times, inside CUDA graphs, (1) NCCL all_reduce in place + the
 torch.compile'd add+RMSNorm (what a model runs when nothing is fused: its all-reduce input is a
 matmul output, reduced in place), (2) the fused op with one-shot and (3) with two-shot, and with
-`--quantized fp8` (4) the op's quantized all-reduce + compiled add+RMSNorm. Every rank then holds
-the slowest rank's numbers, so all derive the same crossover points; rank 0 stores them in the
+`--quantized fp8` (4) the op's quantized all-reduce + compiled add+RMSNorm, and with `--knobs` (5)
+FlashInfer's quantized all-reduce + that norm under each of its launch settings (`TUNE_KNOBS`) from
+1 MiB per rank. Every rank then holds
+the slowest rank's numbers, so all derive the same crossover points and knobs; rank 0 stores them in the
 JSON cache that dispatch reads (`flashinfer_dispatch.cache_path()`), keyed by (GPU name, world
 size, hidden, dtype).
 """
@@ -16,6 +18,7 @@ size, hidden, dtype).
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import statistics
@@ -37,6 +40,12 @@ from .core import PLAIN, Call, Form
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
                   3072, 4096, 6144, 8192)
 NORM_SITE = Form(residual=True, norm="rms")
+# Launch knobs are timed from this size per rank: below it the quantized all-reduce lost to the exact
+# path everywhere measured (0.52x at 1 MiB, 2xH200, TP=2; 0.90x at 1 MiB, 4xH200, TP=4).
+KNOB_MIN_BYTES = dispatch.MiB
+# A setting replaces FlashInfer's own only when this much faster: two runs of the pass on 2xH200 at
+# 8 MiB (machines I and J, 2026-11-28) differed by 1.5%.
+KNOB_MARGIN = 0.02
 
 
 # ----------------------------------------------------------------- timing helpers
@@ -166,6 +175,7 @@ class Measured:
     quantized_us: float | None = None  # quantized all-reduce + compiled norm, where measured
     nccl_us: float | None = None  # NCCL all_reduce alone, in place (a plain all-reduce's unfused path)
     plain_us: float | None = None  # the backend's plain all-reduce (arfusion::all_reduce's fast path)
+    knobs_us: list | None = None  # [[knobs, us], ...]: FlashInfer's quantized all-reduce + norm; {} its own knobs
 
 
 def plain_crossover(rows: Iterable[Measured]) -> int:
@@ -224,6 +234,40 @@ def quantized_crossover(rows: Iterable[Measured], oneshot_max: int, max_fused: i
     return start
 
 
+def knob_choice(r: Measured, margin: float = KNOB_MARGIN) -> tuple[dict, float]:
+    """(knobs, us) the quantized all-reduce runs with at r.tokens: the fastest setting where it beats
+    FlashInfer's own knobs by more than `margin`, else its own ({})."""
+    own_us = next(us for knobs, us in r.knobs_us if not knobs)
+    knobs, best_us = min(r.knobs_us, key=lambda e: e[1])
+    return (dict(knobs), best_us) if best_us < own_us * (1 - margin) else ({}, own_us)
+
+
+def row_of(t: int, times: Sequence[float], swept: Sequence[dict] = ()) -> Measured:
+    """One token count's measurements from its slowest-rank times, in the order tune() takes them:
+    unfused, one-shot, two-shot (NaN: not run), NCCL, plain, [quantized], [each setting of `swept`].
+    Where knobs were swept, the quantized time is the chosen setting's: what the pass then runs."""
+    head, knob_times = (times[:-len(swept)], times[-len(swept):]) if swept else (times, [])
+    unfused, one, two, nccl, plain_us, *quant = head
+    r = Measured(t, unfused, one, None if two != two else two, quant[0] if quant else None, nccl, plain_us,
+                 [[dict(k), us] for k, us in zip(swept, knob_times)] or None)
+    if swept:
+        r.quantized_us = knob_choice(r)[1]
+    return r
+
+
+def knob_steps(rows: Iterable[Measured], margin: float = KNOB_MARGIN) -> list[list]:
+    """[[from_tokens, knobs], ...] ascending, a step wherever the choice changes; dispatch gives a
+    message the last step it reaches (a size between two measured ones: the smaller one's knobs)."""
+    steps, current = [], {}
+    for r in sorted(rows, key=lambda r: r.tokens):
+        if r.knobs_us:
+            choice = knob_choice(r, margin)[0]
+            if choice != current:
+                steps.append([r.tokens, choice])
+                current = choice
+    return steps
+
+
 def save_entry(key: str, entry: dict, path: Path) -> None:
     """Merge one entry into the cache file, written atomically."""
     data = {"version": dispatch.CACHE_VERSION, "entries": {}}
@@ -245,9 +289,10 @@ def save_entry(key: str, entry: dict, path: Path) -> None:
 
 def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int] = DEFAULT_TOKENS,
          group=None, cache: str | os.PathLike | None = None, eps: float = 1e-6, calls: int = 20,
-         replays: int = 30, progress: bool = True, quantized: str | None = None) -> dict:
+         replays: int = 30, progress: bool = True, quantized: str | None = None, knobs: bool = False) -> dict:
     """Measure and store the crossover points for this GPU model, group size, hidden and dtype
-    (with `quantized`, also where that quantized all-reduce level starts to pay).
+    (with `quantized`, also where that quantized all-reduce level starts to pay; with `knobs`, the
+    launch knobs it runs fastest with, from KNOB_MIN_BYTES per rank).
 
     Collective: call on every rank of `group` (default WORLD), each on its own GPU. Returns the
     cache entry (identical on every rank).
@@ -267,6 +312,9 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     if reason:
         raise RuntimeError(f"arfusion tune: FlashInfer cannot run here: {reason}")
 
+    if knobs and not quantized:
+        raise ValueError("arfusion tune: launch knobs are the quantized all-reduce's: pass quantized='fp8' too")
+    grid = [{}] + dispatch.knob_combinations(dispatch.TUNE_KNOBS) if knobs else []
     norm_fn = compiled_add_rms_norm()
     weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
     rows: list[Measured] = []
@@ -292,13 +340,18 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
             if quantized:
                 times.append(time_in_graph(lambda: fused_step(x, res, weight, eps, group_name, max_bytes,
                                                               codec=quantized), group, calls, replays))
-            unfused, one, two, nccl, plain_us, *quant = slowest_rank(times, group)
-            rows.append(Measured(t, unfused, one, None if two != two else two, quant[0] if quant else None,
-                                 nccl, plain_us))
-            bar.update(f"T={t} unfused {unfused:.1f}us one-shot {one:.1f}us"
-                       + ("" if two != two else f" two-shot {two:.1f}us")
-                       + f" nccl {nccl:.1f}us plain {plain_us:.1f}us"
-                       + (f" {quantized} {quant[0]:.1f}us" if quant else ""))
+            swept = grid if x.numel() * x.element_size() >= KNOB_MIN_BYTES else []
+            if swept:  # the op ran the quantized all-reduce above: its buffer exists
+                module = importlib.import_module("flashinfer.comm.quantized_allreduce")
+            for k in swept:  # FlashInfer's call under each setting ({}: its own), as the op runs it
+                times.append(time_in_graph(lambda k=k: norm_fn(module.quantized_all_reduce(x, group, **k), res, weight,
+                                                               eps, NORM_SITE), group, calls, replays))
+            rows.append(r := row_of(t, slowest_rank(times, group), swept))
+            bar.update(f"T={t} unfused {r.unfused_us:.1f}us one-shot {r.oneshot_us:.1f}us"
+                       + ("" if r.twoshot_us is None else f" two-shot {r.twoshot_us:.1f}us")
+                       + f" nccl {r.nccl_us:.1f}us plain {r.plain_us:.1f}us"
+                       + (f" {quantized} {r.quantized_us:.1f}us" if quantized else "")
+                       + (f" knobs: {dispatch.knobs_text(knob_choice(r)[0])}" if swept else ""))
     finally:
         bar.close()
 
@@ -311,6 +364,7 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
         "plain_max_tokens": plain_crossover(rows),
         "quantized_min_tokens": {**old.get("quantized_min_tokens", {}), **(
             {quantized: quantized_crossover(rows, oneshot_max, max_fused, world)} if quantized else {})},
+        "quantized_knobs": {**old.get("quantized_knobs", {}), **({quantized: knob_steps(rows)} if knobs else {})},
         "world_size": world, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."),
         "measured": [asdict(r) for r in rows],
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -348,5 +402,7 @@ def format_rows(entry: dict) -> str:
                  f"{entry['oneshot_max_tokens']} tokens"
                  + (f"; plain all-reduce up to {entry['plain_max_tokens']} tokens" if "plain_max_tokens" in entry else "")
                  + "".join(f"; {lv} quantized all-reduce " + (f"from {start} tokens" if start is not None else "never")
-                           for lv, start in levels.items()))
+                           for lv, start in levels.items())
+                 + "".join(f"; {lv} launch knobs: " + (dispatch.steps_text(steps, "tokens") or "FlashInfer's own")
+                           for lv, steps in entry.get("quantized_knobs", {}).items()))
     return "\n".join(lines)

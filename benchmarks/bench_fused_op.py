@@ -40,7 +40,7 @@ message sizes (--mib, per rank, hidden 4096: tokens = MiB * 2^20 / (4096 * 2)), 
   q    arfusion's op with the quantized all-reduce forced (codec_min_bytes=0)
   fi_q FlashInfer's quantized_all_reduce called directly + the same compiled norm
 With --codec-knobs [KNOB=V1,V2 ...] also fi_q under every combination of FlashInfer's launch knobs
-(fused_op_cases.CODEC_KNOBS: block size, blocks, warps, P2P phase 3; none changes the numbers),
+(flashinfer_dispatch.CODEC_KNOBS: block size, blocks, warps, P2P phase 3; none changes the numbers),
 each row's fastest (knobs_best_us, knobs_best) and the exact path against it (ex_vs_knobs_best).
 Each with what ran (stats()["dispatch"]) and the norm output's relative error against a0's. The
 exact path ("ex") is what arfusion takes without quantization: c where the table fuses, else a0.
@@ -371,7 +371,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-rank message sizes of --quantized, MiB (hidden 4096, bf16)")
     p.add_argument("--codec-knobs", nargs="*", metavar="KNOB=V1,V2",
                    help="with --quantized: also time FlashInfer's call under every combination of its launch knobs "
-                        "(alone: the whole grid of fused_op_cases.CODEC_KNOBS; KNOB=V1,V2 narrows one knob)")
+                        "(alone: the whole grid of flashinfer_dispatch.CODEC_KNOBS; KNOB=V1,V2 narrows one knob)")
     p.add_argument("--plot", nargs="+", help="bench_w*.json files to plot instead of measuring")
     p.add_argument("--png", default="bench_fused_op.png")
     return p.parse_args(argv)

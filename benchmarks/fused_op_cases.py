@@ -4,7 +4,6 @@ the distributed set-up, and saving rows as a stage goes."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import time
 
@@ -138,17 +137,17 @@ def finish(rank, backend, table, path):
     dist.destroy_process_group()
 
 
-# FlashInfer's quantized_all_reduce picks these from the message size alone (0.7.2.post1's
+# FlashInfer's quantized_all_reduce picks its knobs from the message size alone (0.7.2.post1's
 # _select_params: block 4096, 132 blocks, 16 warps, P2P phase 3 from 32 MiB). None of them changes
 # the error (the scale group, 256 elements, stays); the block size moves results within it (2.6e-2
-# relative in every setting on 2xH200, 2026-11-28).
-CODEC_KNOBS = {"block_size": (4096, 8192, 16384), "max_num_blocks": (66, 132), "num_warps": (8, 16),
-               "p2p_phase3": (False, True)}
+# relative in every setting on 2xH200, 2026-11-28). Their names and values: dispatch.CODEC_KNOBS.
 
 
 def knob_grid(spec: list[str]) -> list[dict]:
     """Every combination of the knobs: ["block_size=4096,8192", "p2p_phase3=1"] sets those two and
     leaves the rest to CODEC_KNOBS; [] is CODEC_KNOBS whole."""
+    from arfusion.backends.flashinfer_dispatch import CODEC_KNOBS, knob_combinations
+
     values = dict(CODEC_KNOBS)
     for item in spec:
         name, _, listed = item.partition("=")
@@ -156,4 +155,4 @@ def knob_grid(spec: list[str]) -> list[dict]:
             raise SystemExit(f"--codec-knobs: {item!r} is not KNOB=V1,V2 with KNOB one of {sorted(CODEC_KNOBS)}")
         kind = bool if name == "p2p_phase3" else int
         values[name] = tuple(kind(int(v)) for v in listed.split(","))
-    return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
+    return knob_combinations(values)

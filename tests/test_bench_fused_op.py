@@ -12,7 +12,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import bench_fused_op  # noqa: E402
 import matrix  # noqa: E402
-from fused_op_cases import CODEC_KNOBS, knob_grid  # noqa: E402
+from fused_op_cases import knob_grid  # noqa: E402
+from arfusion.backends.flashinfer_dispatch import CODEC_KNOBS  # noqa: E402
 from fused_op_report import format_codec_table  # noqa: E402
 
 sys.path.remove(str(BENCH))

@@ -532,10 +532,14 @@ def test_cli_table_and_tune_outside_torchrun(backend, capsys, monkeypatch):
     from arfusion import cli
 
     assert cli.main(["table"]) == 0
-    assert "SM" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "SM" in out and "SM9x world 2 launch knobs: from 8 MiB block_size=16384" in out
     monkeypatch.delenv("RANK", raising=False)
     assert cli.main(["tune", "--hidden", "4096"]) == 2
     assert "torchrun" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the knobs are the quantized all-reduce's
+        cli.main(["tune", "--hidden", "4096", "--knobs"])
+    assert "--quantized fp8" in capsys.readouterr().err
 
 
 def test_progress_without_tqdm(monkeypatch, capsys):

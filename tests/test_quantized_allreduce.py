@@ -4,6 +4,7 @@ fallback when FlashInfer's kernel or its symmetric memory is missing, and compil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -177,8 +178,60 @@ def test_flashinfer_launch_knobs_come_from_the_measured_table(h200, monkeypatch,
     x = torch.empty(int(mib * MiB) // 2, dtype=BF16, device="meta")
     h200.codec_all_reduce(call(None, world=world), x, "fp8")
     assert seen == [knobs]
-    text = dispatch.codec_knobs_text(9, world)  # what the buffer's INFO line says
+    text = dispatch.codec_knobs_text(9, "NVIDIA H200", world, 4096, BF16)  # what the buffer's INFO line says
     assert ("from 8 MiB block_size=16384" in text) == (world == 2) and ("own" in text) == (world != 2)
+
+
+def test_tuned_launch_knobs_win_over_the_table(h200, monkeypatch):
+    """`arfusion tune --quantized fp8 --knobs` stores knob steps in tokens for (GPU, world, hidden,
+    dtype); the op reads them before the table, also where the table has none (TP=4), and a step
+    back to {} returns to FlashInfer's own knobs."""
+    from arfusion import tuning
+
+    seen = []
+    monkeypatch.setitem(sys.modules, "flashinfer.comm.quantized_allreduce", types.SimpleNamespace(
+        quantized_all_reduce=lambda inp, group, **kwargs: seen.append(kwargs) or inp))
+    monkeypatch.setattr(dist.distributed_c10d, "_resolve_process_group", lambda name: "group")
+    steps = [[256, {"block_size": 8192}], [2048, {"block_size": 16384, "p2p_phase3": True}], [8192, {}]]
+    for world in (2, 4):
+        tuning.save_entry(dispatch.tuned_key("NVIDIA H200", world, 4096, BF16),
+                          {"max_fused_tokens": 1024, "oneshot_max_tokens": 256, "quantized_knobs": {"fp8": steps}},
+                          dispatch.cache_path())
+    dispatch.forget_cache()
+    for world in (2, 4):
+        for tokens in (128, 256, 1024, 2048, 4096, 8192):
+            h200.codec_all_reduce(call(None, world=world), torch.empty(tokens, 4096, dtype=BF16, device="meta"), "fp8")
+    assert seen == 2 * [{}, {"block_size": 8192}, {"block_size": 8192}, {"block_size": 16384, "p2p_phase3": True},
+                        {"block_size": 16384, "p2p_phase3": True}, {}]
+    text = dispatch.codec_knobs_text(9, "NVIDIA H200", 4, 4096, BF16)
+    assert text.startswith("launch knobs from the tuned cache") and "from 2 MiB block_size=8192" in text
+    assert "from 64 MiB FlashInfer's own" in text
+    # another hidden size has no tuned entry: the table's (TP=2) or FlashInfer's own (TP=4)
+    assert dispatch.codec_knobs(9, "NVIDIA H200", 4, 8192, BF16, 16 * MiB) == {}
+    assert dispatch.codec_knobs(9, "NVIDIA H200", 2, 8192, BF16, 16 * MiB) == {"block_size": 16384, "p2p_phase3": True}
+
+
+def test_tune_picks_knobs_only_where_they_beat_flashinfers_own_by_the_margin():
+    """tune's rows: FlashInfer's own knobs ({}) and each setting, slowest rank's µs; a setting is
+    chosen where it is more than KNOB_MARGIN faster, a step wherever the choice changes."""
+    from arfusion import tuning
+
+    a, b = {"block_size": 16384, "p2p_phase3": False}, {"block_size": 16384, "p2p_phase3": True}
+    times = {128: (10.0, 9.95, 10.5), 1024: (35.6, 33.7, 34.0), 1536: (55.9, 50.5, 51.0),
+             2048: (71.5, 63.0, 61.9), 8192: (263.9, 263.0, 264.0)}  # own, a, b
+    rows = [tuning.row_of(t, [50.0, 40.0, float("nan"), 45.0, 42.0, 99.0, *us], [{}, a, b])
+            for t, us in times.items()]
+    assert [r.twoshot_us for r in rows] == [None] * 5 and rows[0].plain_us == 42.0
+    assert [r.quantized_us for r in rows] == [10.0, 33.7, 50.5, 61.9, 263.9]  # the chosen setting's time
+    assert tuning.knob_steps(rows) == [[1024, a], [2048, b], [8192, {}]]  # 128: 0.5% faster is not enough
+    assert tuning.knob_steps(rows, margin=0.0) == [[128, a], [2048, b], [8192, a]]
+    plain = tuning.row_of(64, [50.0, 40.0, 41.0, 45.0, 42.0, 30.0])  # no sweep: the op's quantized time
+    assert plain.knobs_us is None and plain.quantized_us == 30.0 and tuning.knob_steps([plain]) == []
+    entry = {"max_fused_tokens": 0, "oneshot_max_tokens": 0, "quantized_min_tokens": {"fp8": 1024},
+             "quantized_knobs": {"fp8": tuning.knob_steps(rows)}, "measured": [dataclasses.asdict(r) for r in rows]}
+    assert ("fp8 launch knobs: from 1024 tokens block_size=16384, p2p_phase3=False; from 2048 tokens "
+            "block_size=16384, p2p_phase3=True; from 8192 tokens FlashInfer's own") in tuning.format_rows(entry)
+    assert len(dispatch.knob_combinations(dispatch.TUNE_KNOBS)) == 6
 
 
 def test_user_threshold_and_tuned_cache_override_the_table(h200, tmp_path):

@@ -81,8 +81,10 @@ class QuantizedAllReduce:
             state.codec_failed = problem or "FlashInfer quantized all-reduce set-up failed on another rank"
             return state.codec_failed
         state.codec_ready = True
-        knobs = (dispatch.codec_knobs_text(self.facts(call).sm[0], group.size()) if call.device.type == "cuda"
-                 else "no CUDA device")  # a stand-in module on CPU (tests)
+        knobs = "no CUDA device"  # a stand-in module on CPU (tests)
+        if call.device.type == "cuda":
+            facts = self.facts(call)
+            knobs = dispatch.codec_knobs_text(facts.sm[0], facts.name, group.size(), call.hidden, call.dtype)
         log.info("arfusion: FlashInfer quantized all-reduce for group %s (world %d) ready in %.1fs (buffer for "
                  "%.0f MiB per rank; %s)", call.group_name, group.size(), time.perf_counter() - started,
                  dispatch.QUANTIZED_MAX_BYTES / dispatch.MiB, knobs)
@@ -92,5 +94,7 @@ class QuantizedAllReduce:
         # Triton specialises the kernel per message size: the first call at a new size compiles
         # it (eager warm-up, as cudagraph trees and torch.compile do before capturing).
         module = importlib.import_module("flashinfer.comm.quantized_allreduce")
-        knobs = dispatch.codec_knobs(self.facts(call).sm[0], call.world_size, x.numel() * x.element_size())
+        facts = self.facts(call)
+        knobs = dispatch.codec_knobs(facts.sm[0], facts.name, call.world_size, call.hidden, call.dtype,
+                                     x.numel() * x.element_size(), level)
         return module.quantized_all_reduce(x, dist.distributed_c10d._resolve_process_group(call.group_name), **knobs)

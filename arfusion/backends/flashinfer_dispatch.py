@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -194,6 +195,17 @@ QUANTIZED_MAX_BYTES = 64 * MiB
 QUANTIZED_KNOBS: dict[tuple[int, int], tuple[tuple[float, dict], ...]] = {
     (9, 2): ((8, {"block_size": 16384}), (16, {"block_size": 16384, "p2p_phase3": True})),
 }
+# The knobs' names and the values timed: every combination in `bench_fused_op.py --codec-knobs`;
+# `arfusion tune --quantized fp8 --knobs` times the two that moved on 2xH200 (TUNE_KNOBS), with the
+# others at FlashInfer's own values. None of them changes the error.
+CODEC_KNOBS = {"block_size": (4096, 8192, 16384), "max_num_blocks": (66, 132), "num_warps": (8, 16),
+               "p2p_phase3": (False, True)}
+TUNE_KNOBS = {"block_size": (4096, 8192, 16384), "p2p_phase3": (False, True)}
+
+
+def knob_combinations(values: dict[str, tuple]) -> list[dict]:
+    """Every combination of the knobs' values, as keyword arguments."""
+    return [dict(zip(values, combo)) for combo in itertools.product(*values.values())]
 
 
 # The plain all-reduce (`arfusion::all_reduce`, FlashInfer's one-shot kAllReduce on the group's
@@ -306,22 +318,47 @@ def codec_min_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int, 
     return int(mib * MiB), f"seed table SM{sm_major}x world {world_size}"
 
 
-def codec_knobs(sm_major: int, world_size: int, nbytes: int) -> dict:
-    """Launch knobs for FlashInfer's quantized all-reduce of `nbytes` per rank; {}: its own."""
+def _knob_steps(sm_major: int, gpu_name: str, world_size: int, hidden: int, dtype: torch.dtype,
+                level: str) -> tuple[list[tuple[int, dict]], str]:
+    """((from bytes per rank, knobs), ...) ascending, and where they come from: a tuned entry
+    (`arfusion tune --quantized LEVEL --knobs`, steps in tokens) before the table."""
+    entry = tuned_entries().get(tuned_key(gpu_name, world_size, hidden, dtype)) or {}
+    tuned = entry.get("quantized_knobs", {}).get(level)
+    if tuned is not None:
+        row = hidden * torch.empty((), dtype=dtype).element_size()
+        return [(int(t) * row, dict(k)) for t, k in tuned], f"tuned cache {cache_path()}"
+    return ([(int(mib * MiB), knobs) for mib, knobs in QUANTIZED_KNOBS.get((sm_major, world_size), ())],
+            f"table SM{sm_major}x world {world_size}")
+
+
+def codec_knobs(sm_major: int, gpu_name: str, world_size: int, hidden: int, dtype: torch.dtype, nbytes: int,
+                level: str = "fp8") -> dict:
+    """Launch knobs for FlashInfer's quantized all-reduce of `nbytes` per rank: the last step the
+    message reaches; {} (FlashInfer's own) below the first."""
     chosen = {}
-    for from_mib, knobs in QUANTIZED_KNOBS.get((sm_major, world_size), ()):
-        if nbytes >= from_mib * MiB:
+    for from_bytes, knobs in _knob_steps(sm_major, gpu_name, world_size, hidden, dtype, level)[0]:
+        if nbytes >= from_bytes:
             chosen = knobs
     return chosen
 
 
-def codec_knobs_text(sm_major: int, world_size: int) -> str:
+def codec_knobs_text(sm_major: int, gpu_name: str, world_size: int, hidden: int, dtype: torch.dtype,
+                     level: str = "fp8") -> str:
     """Which launch knobs the quantized all-reduce runs with here, for the log."""
-    entries = QUANTIZED_KNOBS.get((sm_major, world_size))
-    if not entries:
+    steps, source = _knob_steps(sm_major, gpu_name, world_size, hidden, dtype, level)
+    if not steps:
         return "FlashInfer's own launch knobs (none measured for this GPU and world size)"
-    return "measured launch knobs: " + "; ".join(
-        f"from {from_mib:g} MiB " + ", ".join(f"{k}={v}" for k, v in knobs.items()) for from_mib, knobs in entries)
+    return f"launch knobs from the {source}: " + steps_text(steps)
+
+
+def knobs_text(knobs: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in knobs.items()) or "FlashInfer's own"
+
+
+def steps_text(steps, unit: str = "MiB") -> str:
+    """'from 8 MiB block_size=16384; ...' for ((from bytes, knobs), ...); unit "tokens": steps in token counts."""
+    return "; ".join((f"from {start / MiB:g} MiB " if unit == "MiB" else f"from {start} tokens ") + knobs_text(knobs)
+                     for start, knobs in steps)
 
 
 def _cap_or_sm90(table: dict[tuple[int, int], float], sm_major: int, world_size: int) -> int | None:

@@ -49,6 +49,9 @@ for s in "$@"; do
     probe4) stage probe4 "${LIMIT:-90}" $TORCHRUN 4 .device/probe_flashinfer_direct.py ;;
     tune4) stage tune4 "${LIMIT:-70}" $TORCHRUN 4 -m arfusion.cli tune --hidden 4096 --tokens 1,8,32,64,128,192,256,384,512 --cache "$OUT/tuning.json" ;;
     tune2) stage tune2 "${LIMIT:-60}" $TORCHRUN 2 -m arfusion.cli tune --hidden 4096 --tokens 1,8,64,256,1024,4096,8192 --cache "$OUT/tuning.json" ;;
+    # The quantized all-reduce's crossover and launch knobs (FlashInfer's own against TUNE_KNOBS), 1 to 64 MiB per rank.
+    tuneq2|tuneq4) stage "$s" "${LIMIT:-240}" $TORCHRUN "${s#tuneq}" -m arfusion.cli tune --hidden 4096 --quantized fp8 --knobs \
+      --tokens 64,128,256,512,1024,1536,2048,3072,4096,6144,8192 --cache "$OUT/tuning_${s}.json" ;;
     qchecks2) stage qchecks2 "${LIMIT:-150}" $TORCHRUN 2 tests/gpu/check_quant.py ;;
     qchecks4) stage qchecks4 "${LIMIT:-150}" $TORCHRUN 4 tests/gpu/check_quant.py ;;
     qbench2) stage qbench2 "${LIMIT:-200}" $TORCHRUN 2 benchmarks/bench_fused_op.py --hidden 4096 \
