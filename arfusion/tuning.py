@@ -9,10 +9,9 @@ torch.compile'd add+RMSNorm (what a model runs when nothing is fused: its all-re
 matmul output, reduced in place), (2) the fused op with one-shot and (3) with two-shot, and with
 `--quantized fp8` (4) the op's quantized all-reduce + compiled add+RMSNorm, and with `--knobs` (5)
 FlashInfer's quantized all-reduce + that norm under each of its launch settings (`TUNE_KNOBS`) from
-1 MiB per rank. Every rank then holds
-the slowest rank's numbers, so all derive the same crossover points and knobs; rank 0 stores them in the
-JSON cache that dispatch reads (`flashinfer_dispatch.cache_path()`), keyed by (GPU name, world
-size, hidden, dtype).
+1 MiB per rank. Every rank then holds the slowest rank's numbers, so all derive the same crossover
+points and knobs; rank 0 stores them in the JSON cache that dispatch reads
+(`flashinfer_dispatch.cache_path()`), keyed by (GPU name, world size, hidden, dtype).
 """
 
 from __future__ import annotations
@@ -297,6 +296,8 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     Collective: call on every rank of `group` (default WORLD), each on its own GPU. Returns the
     cache entry (identical on every rank).
     """
+    if knobs and not quantized:
+        raise ValueError("arfusion tune: launch knobs are the quantized all-reduce's: pass quantized='fp8' too")
     group = group or dist.group.WORLD
     group_name, world = group.group_name, group.size()
     rank = group.rank()
@@ -312,8 +313,6 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     if reason:
         raise RuntimeError(f"arfusion tune: FlashInfer cannot run here: {reason}")
 
-    if knobs and not quantized:
-        raise ValueError("arfusion tune: launch knobs are the quantized all-reduce's: pass quantized='fp8' too")
     grid = [{}] + dispatch.knob_combinations(dispatch.TUNE_KNOBS) if knobs else []
     norm_fn = compiled_add_rms_norm()
     weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
