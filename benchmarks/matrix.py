@@ -259,7 +259,8 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
                  + (f" ({meta['unique_layers']} unique)" if meta.get("unique_layers") else "")
                  + (", MoE finalize" if meta.get("moe_finalize") else ""))
         tp, phases = meta["world"], data["phases"]
-        for r in phases.get("decode", {}).get("rows", []):
+        cut = [c] if {"off_ms", "on_ms"} <= set(c := phases.get("decode", {}).get("incomplete_row", {})) else []
+        for r in phases.get("decode", {}).get("rows", []) + cut:  # cut: a batch killed before its floor was timed
             row = {**common, "path": "decode step (CUDA graph)", "model": model, "tp": tp, "case": f"batch {r['batch']}",
                    "unit": "ms per step", "off": r["off_ms"], "on": r["on_ms"], "speed": speed(r["off_ms"], r["on_ms"])}
             if "floor_ms" in r:

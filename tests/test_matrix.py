@@ -102,7 +102,8 @@ def test_report_rows_bar_table_and_plot(tmp_path):
     variant = {"off": {"ms_per_token": 11.0, "gpu_busy_fraction": 0.4}, "on": {"ms_per_token": 11.5},
                "on_speedup": {"median": 0.957, "min": 0.9, "max": 1.01, "n": 8}, "excluded_pairs": 1}
     write(tmp_path / "decode2", "decode_llama_w2_decode.json", {"meta": META, "phases": {
-        "decode": {"rows": [{"batch": 1, "off_ms": 5.0, "on_ms": 4.0, "floor_ms": 3.5, "comm_removed_pct": 66.7}]},
+        "decode": {"rows": [{"batch": 1, "off_ms": 5.0, "on_ms": 4.0, "floor_ms": 3.5, "comm_removed_pct": 66.7}],
+                   "partial": True, "incomplete_row": {"batch": 8, "off_ms": 6.0, "on_ms": 5.0}},  # killed before its floor
         "generate": {"variants": {"greedy_b1": variant, "sample_b8": {"error": "boom"}}}}})
     written = matrix.report([str(tmp_path)], tmp_path / "out", "h100x4_test")
     assert sorted(p.name for p in written) == ["matrix_h100x4_test.json", "matrix_h100x4_test.md",
@@ -123,6 +124,8 @@ def test_report_rows_bar_table_and_plot(tmp_path):
     assert not [r for r in rows if r["path"] == "site" and "MiB" in r["case"]]
     step = by_path[("decode step (CUDA graph)", "batch 1")]
     assert step["speed"] == 1.25 and step["floor"] == 3.5 and step["comm_removed_pct"] == 66.7
+    cut = by_path[("decode step (CUDA graph)", "batch 8")]  # a batch cut short keeps its off and on
+    assert cut["speed"] == 1.2 and "floor" not in cut
     gen = by_path[("HF generate()", "greedy, batch 1")]
     assert gen["speed"] == 0.957 and gen["spread"] == [0.9, 1.01] and gen["pairs"] == 8
     assert not [r for r in rows if "sample" in r["case"]]  # a failed variant makes no row
@@ -130,6 +133,7 @@ def test_report_rows_bar_table_and_plot(tmp_path):
     md = (tmp_path / "out" / "matrix_h100x4_test.md").read_text()
     assert "0.906× **below 0.98** (left unfused: the graph without the pass)" in md
     assert "0.795× **below 0.98** |" in md
+    assert "GPU busy 40% / ? (off / on); 1 excluded (graphs recorded again)" in md
     assert "0.957× **below 0.98** (within its spread)" in md and "| 5.24.0 |" in md and "removes 67% of the all-reduces' time" in md
     assert (tmp_path / "out" / "matrix_h100x4_test.png").stat().st_size > 10_000
 
