@@ -287,6 +287,7 @@ def forget_cache() -> None:
     """Re-read the cache next time (after `arfusion tune` wrote it in this process)."""
     _read_cache.cache_clear()
     limits_for.cache_clear()
+    _knob_steps.cache_clear()
 
 
 @functools.lru_cache(maxsize=256)
@@ -318,6 +319,7 @@ def codec_min_bytes(sm_major: int, gpu_name: str, world_size: int, hidden: int, 
     return int(mib * MiB), f"seed table SM{sm_major}x world {world_size}"
 
 
+@functools.lru_cache(maxsize=256)  # read at each eager call of the quantized all-reduce
 def _knob_steps(sm_major: int, gpu_name: str, world_size: int, hidden: int, dtype: torch.dtype,
                 level: str) -> tuple[list[tuple[int, dict]], str]:
     """((from bytes per rank, knobs), ...) ascending, and where they come from: a tuned entry
