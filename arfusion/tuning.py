@@ -312,6 +312,10 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     reason = backend.why_not(probe, max_bytes) or backend.prepare(probe, max_bytes)
     if reason:
         raise RuntimeError(f"arfusion tune: FlashInfer cannot run here: {reason}")
+    # Said before minutes of timing: otherwise the op would time its exact fallback as "quantized".
+    reason = quantized and backend.codec_why_not(probe, quantized, min_bytes_override=0)
+    if reason:
+        raise RuntimeError(f"arfusion tune --quantized {quantized}: {reason}")
 
     grid = [{}] + dispatch.knob_combinations(dispatch.TUNE_KNOBS) if knobs else []
     norm_fn = compiled_add_rms_norm()

@@ -211,6 +211,24 @@ def test_tuned_launch_knobs_win_over_the_table(h200, monkeypatch):
     assert dispatch.codec_knobs(9, "NVIDIA H200", 2, 8192, BF16, 16 * MiB) == {"block_size": 16384, "p2p_phase3": True}
 
 
+@pytest.mark.parametrize("dtype, world, says", [(torch.float16, 2, "bfloat16 only"), (BF16, 6, "power-of-two world")])
+def test_tune_refuses_a_quantized_all_reduce_the_kernel_cannot_run_before_timing(h200, monkeypatch, dtype, world, says):
+    """Otherwise the op would time its exact fallback as "quantized" (and --knobs would call
+    FlashInfer with what it rejects), minutes into the run."""
+    from arfusion import tuning
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(h200, "why_not", lambda call, max_bytes: None)  # the exact kernel could run
+    monkeypatch.setattr(h200, "prepare", lambda call, max_bytes: None)
+    monkeypatch.setattr(tuning, "get_backend", lambda name: h200)
+    monkeypatch.setattr(tuning, "compiled_add_rms_norm", lambda: pytest.fail("timing started"))
+    group = types.SimpleNamespace(group_name="g", size=lambda: world, rank=lambda: 0)
+    with pytest.raises(RuntimeError, match=f"--quantized fp8: .*{says}"):
+        tuning.tune(4096, dtype, tokens=[1024], group=group, quantized="fp8", knobs=True)
+    with pytest.raises(ValueError, match="launch knobs are the quantized all-reduce's"):
+        tuning.tune(4096, BF16, tokens=[1024], group=group, knobs=True)
+
+
 def test_tune_picks_knobs_only_where_they_beat_flashinfers_own_by_the_margin():
     """tune's rows: FlashInfer's own knobs ({}) and each setting, slowest rank's µs; a setting is
     chosen where it is more than KNOB_MARGIN faster, a step wherever the choice changes."""
