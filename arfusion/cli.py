@@ -63,7 +63,7 @@ def _table(args) -> int:
     for key, entry in sorted(dispatch.tuned_entries().items()):
         quantized = "".join(f", {lv} quantized all-reduce " + ("never" if start is None else f"from {start} tokens")
                             for lv, start in entry.get("quantized_min_tokens", {}).items())
-        knobs = "".join(f", {lv} launch knobs " + (dispatch.steps_text(steps, "tokens") or "FlashInfer's own")
+        knobs = "".join(f", {lv} launch knobs " + dispatch.steps_text(steps, "tokens")
                         for lv, steps in entry.get("quantized_knobs", {}).items())
         print(f"  {key}: fuse up to {entry['max_fused_tokens']} tokens, one-shot up to "
               f"{entry['oneshot_max_tokens']} tokens{quantized}{knobs}")

@@ -406,6 +406,6 @@ def format_rows(entry: dict) -> str:
                  + (f"; plain all-reduce up to {entry['plain_max_tokens']} tokens" if "plain_max_tokens" in entry else "")
                  + "".join(f"; {lv} quantized all-reduce " + (f"from {start} tokens" if start is not None else "never")
                            for lv, start in levels.items())
-                 + "".join(f"; {lv} launch knobs: " + (dispatch.steps_text(steps, "tokens") or "FlashInfer's own")
+                 + "".join(f"; {lv} launch knobs: " + dispatch.steps_text(steps, "tokens")
                            for lv, steps in entry.get("quantized_knobs", {}).items()))
     return "\n".join(lines)

@@ -358,9 +358,10 @@ def knobs_text(knobs: dict) -> str:
 
 
 def steps_text(steps, unit: str = "MiB") -> str:
-    """'from 8 MiB block_size=16384; ...' for ((from bytes, knobs), ...); unit "tokens": steps in token counts."""
+    """'from 8 MiB block_size=16384; ...' for ((from bytes, knobs), ...); unit "tokens": steps in token counts;
+    no steps: FlashInfer's own knobs everywhere."""
     return "; ".join((f"from {start / MiB:g} MiB " if unit == "MiB" else f"from {start} tokens ") + knobs_text(knobs)
-                     for start, knobs in steps)
+                     for start, knobs in steps) or knobs_text({})
 
 
 def _cap_or_sm90(table: dict[tuple[int, int], float], sm_major: int, world_size: int) -> int | None:
