@@ -233,37 +233,57 @@ def quantized_crossover(rows: Iterable[Measured], oneshot_max: int, max_fused: i
     return start
 
 
-def knob_choice(r: Measured, margin: float = KNOB_MARGIN) -> tuple[dict, float]:
-    """(knobs, us) the quantized all-reduce runs with at r.tokens: the fastest setting where it beats
-    FlashInfer's own knobs by more than `margin`, else its own ({})."""
+def _setting(knobs: dict) -> frozenset:
+    return frozenset(knobs.items())
+
+
+def _wins(r: Measured, margin: float) -> set[frozenset]:
+    """The settings that beat FlashInfer's own knobs ({}) at r.tokens by more than `margin`."""
     own_us = next(us for knobs, us in r.knobs_us if not knobs)
-    knobs, best_us = min(r.knobs_us, key=lambda e: e[1])
-    return (dict(knobs), best_us) if best_us < own_us * (1 - margin) else ({}, own_us)
+    return {_setting(k) for k, us in r.knobs_us if k and us < own_us * (1 - margin)}
+
+
+def knob_choices(rows: Iterable[Measured], margin: float = KNOB_MARGIN) -> dict[int, tuple[dict, float]]:
+    """{tokens: (knobs, us)} where knobs were swept: the fastest setting that beats FlashInfer's own
+    knobs by more than `margin` both there and at a neighbouring measured count, else its own ({}).
+    A win at one count alone is taken for noise: on 4xH200 (TP=4) single counts showed 2-5% wins
+    between counts where the same setting lost by 4-7%."""
+    swept = sorted((r for r in rows if r.knobs_us), key=lambda r: r.tokens)
+    wins = [_wins(r, margin) for r in swept]
+    choices = {}
+    for i, r in enumerate(swept):
+        near = set().union(*(wins[j] for j in (i - 1, i + 1) if 0 <= j < len(swept)))
+        own = next(e for e in r.knobs_us if not e[0])
+        knobs, us = min((e for e in r.knobs_us if _setting(e[0]) in wins[i] & near), key=lambda e: e[1], default=own)
+        choices[r.tokens] = (dict(knobs), us)
+    return choices
 
 
 def row_of(t: int, times: Sequence[float], swept: Sequence[dict] = ()) -> Measured:
     """One token count's measurements from its slowest-rank times, in the order tune() takes them:
     unfused, one-shot, two-shot (NaN: not run), NCCL, plain, [quantized], [each setting of `swept`].
-    Where knobs were swept, the quantized time is the chosen setting's: what the pass then runs."""
+    Where knobs were swept, the quantized time is FlashInfer's own knobs' until `choose_knobs`."""
     head, knob_times = (times[:-len(swept)], times[-len(swept):]) if swept else (times, [])
     unfused, one, two, nccl, plain_us, *quant = head
     r = Measured(t, unfused, one, None if two != two else two, quant[0] if quant else None, nccl, plain_us,
                  [[dict(k), us] for k, us in zip(swept, knob_times)] or None)
     if swept:
-        r.quantized_us = knob_choice(r)[1]
+        r.quantized_us = next(us for k, us in r.knobs_us if not k)
     return r
 
 
-def knob_steps(rows: Iterable[Measured], margin: float = KNOB_MARGIN) -> list[list]:
-    """[[from_tokens, knobs], ...] ascending, a step wherever the choice changes; dispatch gives a
-    message the last step it reaches (a size between two measured ones: the smaller one's knobs)."""
+def choose_knobs(rows: Sequence[Measured], margin: float = KNOB_MARGIN) -> list[list]:
+    """Sets each swept row's quantized time to its chosen setting's (what the pass then runs) and
+    returns the steps [[from_tokens, knobs], ...], ascending, one wherever the choice changes;
+    dispatch gives a message the last step it reaches (between two measured counts: the smaller's)."""
+    choices = knob_choices(rows, margin)
     steps, current = [], {}
     for r in sorted(rows, key=lambda r: r.tokens):
-        if r.knobs_us:
-            choice = knob_choice(r, margin)[0]
-            if choice != current:
-                steps.append([r.tokens, choice])
-                current = choice
+        if r.tokens in choices:
+            knobs, r.quantized_us = choices[r.tokens]
+            if knobs != current:
+                steps.append([r.tokens, knobs])
+                current = knobs
     return steps
 
 
@@ -354,10 +374,12 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
                        + ("" if r.twoshot_us is None else f" two-shot {r.twoshot_us:.1f}us")
                        + f" nccl {r.nccl_us:.1f}us plain {r.plain_us:.1f}us"
                        + (f" {quantized} {r.quantized_us:.1f}us" if quantized else "")
-                       + (f" knobs: {dispatch.knobs_text(knob_choice(r)[0])}" if swept else ""))
+                       + (f" fastest knobs: {dispatch.knobs_text(min(r.knobs_us, key=lambda e: e[1])[0])}"
+                          if swept else ""))
     finally:
         bar.close()
 
+    steps = choose_knobs(rows) if knobs else None
     oneshot_max, max_fused = crossover(rows, world)
     gpu = torch.cuda.get_device_name(device)
     key = dispatch.tuned_key(gpu, world, hidden, dtype)
@@ -367,7 +389,7 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
         "plain_max_tokens": plain_crossover(rows),
         "quantized_min_tokens": {**old.get("quantized_min_tokens", {}), **(
             {quantized: quantized_crossover(rows, oneshot_max, max_fused, world)} if quantized else {})},
-        "quantized_knobs": {**old.get("quantized_knobs", {}), **({quantized: knob_steps(rows)} if knobs else {})},
+        "quantized_knobs": {**old.get("quantized_knobs", {}), **({quantized: steps} if knobs else {})},
         "world_size": world, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."),
         "measured": [asdict(r) for r in rows],
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

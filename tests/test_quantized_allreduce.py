@@ -231,7 +231,8 @@ def test_tune_refuses_a_quantized_all_reduce_the_kernel_cannot_run_before_timing
 
 def test_tune_picks_knobs_only_where_they_beat_flashinfers_own_by_the_margin():
     """tune's rows: FlashInfer's own knobs ({}) and each setting, slowest rank's µs; a setting is
-    chosen where it is more than KNOB_MARGIN faster, a step wherever the choice changes."""
+    chosen where it is more than KNOB_MARGIN faster there and at a neighbouring count, a step
+    wherever the choice changes."""
     from arfusion import tuning
 
     a, b = {"block_size": 16384, "p2p_phase3": False}, {"block_size": 16384, "p2p_phase3": True}
@@ -240,16 +241,34 @@ def test_tune_picks_knobs_only_where_they_beat_flashinfers_own_by_the_margin():
     rows = [tuning.row_of(t, [50.0, 40.0, float("nan"), 45.0, 42.0, 99.0, *us], [{}, a, b])
             for t, us in times.items()]
     assert [r.twoshot_us for r in rows] == [None] * 5 and rows[0].plain_us == 42.0
+    assert [r.quantized_us for r in rows] == [10.0, 35.6, 55.9, 71.5, 263.9]  # FlashInfer's own, until chosen
+    steps = tuning.choose_knobs(rows)
+    assert steps == [[1024, a], [2048, b], [8192, {}]]  # 128: 0.5% faster is not enough
     assert [r.quantized_us for r in rows] == [10.0, 33.7, 50.5, 61.9, 263.9]  # the chosen setting's time
-    assert tuning.knob_steps(rows) == [[1024, a], [2048, b], [8192, {}]]  # 128: 0.5% faster is not enough
-    assert tuning.knob_steps(rows, margin=0.0) == [[128, a], [2048, b], [8192, a]]
+    assert tuning.choose_knobs(rows, margin=0.0) == [[128, a], [2048, b], [8192, a]]
     plain = tuning.row_of(64, [50.0, 40.0, 41.0, 45.0, 42.0, 30.0])  # no sweep: the op's quantized time
-    assert plain.knobs_us is None and plain.quantized_us == 30.0 and tuning.knob_steps([plain]) == []
+    assert plain.knobs_us is None and plain.quantized_us == 30.0 and tuning.choose_knobs([plain]) == []
     entry = {"max_fused_tokens": 0, "oneshot_max_tokens": 0, "quantized_min_tokens": {"fp8": 1024},
-             "quantized_knobs": {"fp8": tuning.knob_steps(rows)}, "measured": [dataclasses.asdict(r) for r in rows]}
+             "quantized_knobs": {"fp8": steps}, "measured": [dataclasses.asdict(r) for r in rows]}
     assert ("fp8 launch knobs: from 1024 tokens block_size=16384, p2p_phase3=False; from 2048 tokens "
             "block_size=16384, p2p_phase3=True; from 8192 tokens FlashInfer's own") in tuning.format_rows(entry)
     assert len(dispatch.knob_combinations(dispatch.TUNE_KNOBS)) == 6
+
+
+def test_tune_takes_a_win_at_one_token_count_alone_for_noise():
+    """4xH200, TP=4 (2026-11-28): block 4096 with P2P phase 3 was 5.5% faster than FlashInfer's own
+    at 512 tokens and 6.7% / 4.1% slower at 256 / 1024; a lone win sets no step, nor does a count
+    with no measured neighbour."""
+    from arfusion import tuning
+
+    c = {"block_size": 4096, "p2p_phase3": True}
+    times = {256: (21.4, 22.8), 512: (28.2, 26.6), 1024: (47.0, 48.9)}  # own, c (µs, slowest rank)
+    rows = [tuning.row_of(t, [50.0, 40.0, 41.0, 45.0, 42.0, 99.0, *us], [{}, c]) for t, us in times.items()]
+    assert tuning.knob_choices(rows)[512] == ({}, 28.2)
+    assert tuning.choose_knobs(rows) == [] and rows[1].quantized_us == 28.2
+    assert tuning.choose_knobs(rows[1:2]) == []
+    rows[2].knobs_us[1][1] = 45.0  # c wins at 1024 too: now both counts take it
+    assert tuning.choose_knobs(rows) == [[512, c]]
 
 
 def test_user_threshold_and_tuned_cache_override_the_table(h200, tmp_path):
