@@ -254,6 +254,8 @@ def phase_prefill(b):
                      f"{row['quantized_vs_on']:.3f}x vs on; {row['quantized_calls']}/{row['op_calls']} calls quantized)")
         b.say(line)
         rows.append(row)
+        b.result["phases"]["prefill"] = {"rows": rows, "partial": True}  # a run cut short keeps its rows
+        b.save()
     return {"rows": rows, "batch": 1, "quantized": b.args.quantized}
 
 

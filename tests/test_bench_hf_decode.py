@@ -396,6 +396,34 @@ def test_decode_keeps_the_configs_it_timed_when_a_later_one_fails():
     assert [sorted(k for k in s["incomplete_row"] if k.endswith("_ms")) for s in saved[:2]] == [["off_ms"], ["off_ms", "on_ms"]]
 
 
+def test_prefill_keeps_the_lengths_it_timed_when_a_later_one_fails():
+    """4xH200 (2026-11-28): a prefill stage cut by its call's limit left nothing; each length is now
+    saved as it is timed."""
+    import torch
+
+    decode_phases = import_bench("decode_phases")
+    bench = import_bench("bench_hf_decode")
+
+    def time_step(step, reset, warmup=2):
+        time_step.calls += 1
+        if time_step.calls > 2:  # 512 tokens off and on, then 2048 fails
+            raise RuntimeError("killed")
+        return 4.0 if time_step.calls == 1 else 3.0
+    time_step.calls = 0
+    model = lambda **kw: types.SimpleNamespace(logits=torch.zeros(1))
+    b = types.SimpleNamespace(
+        args=types.SimpleNamespace(prefill=[512, 2048], quantized=None, phases=["prefill"], strict=False),
+        compile=lambda name: model, prompt=lambda batch, length, seed: torch.zeros(batch, length, dtype=torch.long),
+        time_step=time_step, say=lambda *_: None, result={"phases": {}}, save=lambda: None,
+        out_of_time=lambda needed_s=0.0: False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(bench.PHASES, "prefill", decode_phases.phase_prefill)
+        bench.run_phases(b)
+    prefill = b.result["phases"]["prefill"]
+    assert "killed" in prefill["error"] and prefill["partial"]
+    assert [(r["tokens"], r["off_ms"], r["on_ms"]) for r in prefill["rows"]] == [(512, 4.0, 3.0)]
+
+
 def test_rank_zero_decides_the_budget_for_every_rank():
     """Ranks asking near the limit must not part ways: a late rank 1 follows rank 0's answer."""
     import time
