@@ -133,6 +133,65 @@ def flash_attn_func(*args, **kwargs):
     raise NotImplementedError("fake flash_attn: only the varlen and kvcache calls")
 
 
+# The schema vLLM 0.25.1's `_vllm_fa3_C.abi3.so` registers (read from it with torch 2.11), without
+# its alias annotations: what benchmarks/flash_attn3/flash_attn_interface.py calls by position.
+FA3_SCHEMA = (
+    "fwd(Tensor q, Tensor k, Tensor v, Tensor? k_new, Tensor? v_new, Tensor? q_v, Tensor? out, "
+    "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? cu_seqlens_k_new, Tensor? seqused_q, Tensor? seqused_k, "
+    "int? max_seqlen_q, int? max_seqlen_k, Tensor? page_table, Tensor? kv_batch_idx, Tensor? leftpad_k, "
+    "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? seqlens_rotary, Tensor? q_descale, Tensor? k_descale, "
+    "Tensor? v_descale, float softmax_scale, bool is_causal, int window_size_left, int window_size_right, "
+    "float softcap, bool is_rotary_interleaved, Tensor? scheduler_metadata, int num_splits, bool? pack_gqa, "
+    "int sm_margin, Tensor? s_aux, int cp_world_size, int cp_rank, Tensor? cp_tot_seqused_k) -> Tensor[]")
+_FA3_LIBRARY = []
+
+
+def _fa3_fwd(q, k, v, k_new, v_new, q_v, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+             max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary,
+             q_descale, k_descale, v_descale, softmax_scale, is_causal, window_left, window_right, softcap,
+             rotary_interleaved, scheduler_metadata, num_splits, pack_gqa, sm_margin, s_aux, cp_world_size, cp_rank,
+             cp_tot_seqused_k):
+    """FA3's forward for the three layouts the shim uses: batched q [B, Sq, H, D] with k, v
+    [B, Sk, Hk, D]; packed q and k, v by cumulative lengths; packed q over a paged k, v
+    [pages, page_size, Hk, D] read through page_table up to seqused_k. Anything else is refused."""
+    if any(t is not None for t in (k_new, v_new, q_v, out, cu_seqlens_k_new, seqused_q, kv_batch_idx, leftpad_k,
+                                   rotary_cos, q_descale, s_aux)) or cp_world_size != 1:
+        raise NotImplementedError("fake _vllm_fa3_C::fwd: only what arfusion's FA3 shim passes")
+    CALLS["_vllm_fa3_C::fwd"] += 1
+    window = (window_left, window_right)
+    result = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    if cu_seqlens_q is None:
+        for b in range(q.shape[0]):
+            result[b] = _attend(q[b], k[b], v[b], softmax_scale, is_causal, window, softcap)
+        return [result, q.new_zeros(0)]
+    cq = cu_seqlens_q.tolist()
+    for b in range(len(cq) - 1):
+        if page_table is not None:
+            used, page = int(seqused_k[b]), k.shape[1]
+            slots = [p * page + s for p in page_table[b].tolist()[:math.ceil(used / page)] for s in range(page)][:used]
+            keys, values = k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]
+        else:
+            ck = cu_seqlens_k.tolist()
+            keys, values = k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
+        if cq[b + 1] > cq[b] and len(keys):
+            result[cq[b]:cq[b + 1]] = _attend(q[cq[b]:cq[b + 1]], keys, values, softmax_scale, is_causal, window,
+                                              softcap)
+    return [result, q.new_zeros(0)]
+
+
+def register_fake_fa3() -> Counter:
+    """Registers `_vllm_fa3_C::fwd` (CPU) once, as the stand-in under the FA3 shim; returns the log."""
+    if not _FA3_LIBRARY:
+        lib = torch.library.Library("_vllm_fa3_C", "DEF")
+        lib.define(FA3_SCHEMA)
+        lib.impl("fwd", _fa3_fwd, "CPU")
+        torch.library.register_fake("_vllm_fa3_C::fwd", lambda q, k, v, *rest: [
+            q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(0)], lib=lib)
+        _FA3_LIBRARY.append(lib)
+    CALLS.clear()
+    return CALLS
+
+
 def install_fake_flash_attn() -> Counter:
     """Registers `flash_attn` (version `VERSION`) and `flash_attn.bert_padding`; returns the call log."""
     from transformers.modeling_flash_attention_utils import _pad_input, _unpad_input

@@ -16,7 +16,11 @@ a tiny fp32 Llama, a cache of 64 blocks.
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
 import tempfile
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,18 +61,22 @@ def llama():
         yield load_tp_model(path, 2, dtype=torch.float32)
 
 
-@pytest.fixture
-def flash_attention_2(monkeypatch):
-    """Switches a model to transformers' Flash Attention 2 path with the stand-in kernel; returns the
-    stand-in's call log. Undone after the test."""
-    calls = fake_flash_attn.install_fake_flash_attn()
+SHIM = Path(__file__).resolve().parents[1] / "benchmarks" / "flash_attn3"
+
+
+class _CudaSaysYes:
+    """`torch` for transformers' decode-fast-path check alone: CUDA "available" (FA3 has no XPU path)."""
+    cuda = types.SimpleNamespace(is_available=lambda: True)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _switcher(monkeypatch, implementation: str, calls):
+    """Restores transformers' lazily loaded Flash Attention functions after the test; returns
+    switch(model), which sets `model`'s attention implementation and returns the kernel's call log."""
     for name in LOADED:
         monkeypatch.setattr(flash_utils, name, getattr(flash_utils, name))
-    # transformers' package check: the flash-attn distribution (>= 2.3.3) on CUDA.
-    monkeypatch.setattr(flash_utils, "is_flash_attn_2_available", lambda *a, **k: True)
-    # Its device check: FA2/3 on CUDA or FA2 on XPU. The XPU name, not torch.cuda.is_available,
-    # which would send the rest of the run down CUDA code.
-    monkeypatch.setattr(initialization, "is_torch_xpu_available", lambda *a, **k: True)
     # fp32 activations: transformers casts them to the linears' dtype (fp32 here, a no-op) and logs
     # a warning_once, a graph break of its own; bf16/fp16 models never take that branch.
     monkeypatch.setattr(flash_integration, "get_target_dtype", lambda query, module: None)
@@ -76,13 +84,42 @@ def flash_attention_2(monkeypatch):
 
     def switch(model):
         switched.append((model.config, model.config._attn_implementation))
-        model.config._attn_implementation_internal = "flash_attention_2"  # set_attn_implementation checks CUDA
+        model.config._attn_implementation_internal = implementation  # set_attn_implementation checks CUDA
         return calls
 
+    return switch, switched
+
+
+@pytest.fixture
+def flash_attention_2(monkeypatch):
+    """Switches a model to transformers' Flash Attention 2 path with the stand-in kernel; returns the
+    stand-in's call log. Undone after the test."""
+    calls = fake_flash_attn.install_fake_flash_attn()
+    # transformers' package check: the flash-attn distribution (>= 2.3.3) on CUDA.
+    monkeypatch.setattr(flash_utils, "is_flash_attn_2_available", lambda *a, **k: True)
+    # Its device check: FA2/3 on CUDA or FA2 on XPU. The XPU name, not torch.cuda.is_available,
+    # which would send the rest of the run down CUDA code.
+    monkeypatch.setattr(initialization, "is_torch_xpu_available", lambda *a, **k: True)
+    switch, switched = _switcher(monkeypatch, "flash_attention_2", calls)
     yield switch
     for config, implementation in switched:
         config._attn_implementation_internal = implementation
     fake_flash_attn.remove_fake_flash_attn()
+
+
+@pytest.fixture
+def flash_attention_3(monkeypatch):
+    """The same with Flash Attention 3: benchmarks/flash_attn3's interface (what the GPU benchmarks
+    load over vLLM's FA3 kernels) over a CPU stand-in of the op it calls, `_vllm_fa3_C::fwd`."""
+    calls = fake_flash_attn.register_fake_fa3()
+    monkeypatch.syspath_prepend(str(SHIM))
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    monkeypatch.setattr(flash_utils, "is_flash_attn_3_available", lambda *a, **k: True)
+    monkeypatch.setattr(initialization, "torch", _CudaSaysYes())  # its one CUDA question, in that check alone
+    switch, switched = _switcher(monkeypatch, "flash_attention_3", calls)
+    yield switch
+    for config, implementation in switched:
+        config._attn_implementation_internal = implementation
 
 
 @pytest.fixture
@@ -137,26 +174,62 @@ def test_transformers_takes_the_fast_path_with_the_eager_tokens(llama, flash_att
     assert getattr(flash_utils._flash_with_kvcache_fn, "_torchdynamo_disable", False)
 
 
-def test_every_site_fuses_on_the_fast_path_as_on_the_default_path(llama, flash_attention_2, prepared):
+@pytest.mark.parametrize("flash", ["flash_attention_2", "flash_attention_3"])
+def test_every_site_fuses_on_the_fast_path_as_on_the_default_path(llama, flash, request, prepared):
     """Every graph is whole and has its 5 sites fused, however many the run compiles: here one, but a
     recompile for new shapes makes two (CI on torch 2.11 saw it once; examples/serve_continuous_batching.py's
-    8 requests always make two)."""
+    8 requests always make two). Flash Attention 3 through the benchmarks' shim the same."""
     default = generate_batch(llama, PROMPTS, NEW_TOKENS, config=PASS)
     assert default.report.graphs >= 1 and not default.report.stats["split_by_graph_breaks"], default.report
     assert default.report.all_reduces == 5 * default.report.graphs, default.report
     assert_fused(default.report, left=0)
     torch._dynamo.reset()
-    calls = flash_attention_2(llama)
+    calls = request.getfixturevalue(flash)(llama)
     eager = generate_batch(llama, PROMPTS, NEW_TOKENS, compiled=False)
     calls.clear()
     run = generate_batch(llama, PROMPTS, NEW_TOKENS, config=PASS)
     # The varlen graph and the decode graphs (one per batch size before dynamic shapes).
-    assert calls["flash_attn_with_kvcache"] >= (NEW_TOKENS - 1) * LAYERS, calls
+    decode_calls = calls["flash_attn_with_kvcache"] if flash == "flash_attention_2" else calls["_vllm_fa3_C::fwd"]
+    assert decode_calls >= (NEW_TOKENS - 1) * LAYERS, calls
     assert any(paged_cache.FLASH_OP in line for line in eager.report.log), eager.report.log  # its first cache
     assert run.report.graphs >= 2 and not run.report.stats["split_by_graph_breaks"], run.report
     assert run.report.all_reduces == 5 * run.report.graphs, run.report
     assert_fused(run.report, left=0)
     assert run.tokens == eager.tokens == default.tokens
+
+
+def test_the_fa3_shim_writes_the_step_and_attends_over_its_pages(monkeypatch):
+    """benchmarks/flash_attn3's decode call against SDPA: scattered pages, GQA, a padding row (cache
+    length -1) that writes and reads nothing; its dist-info gives transformers the name it checks."""
+    fake_flash_attn.register_fake_fa3()
+    monkeypatch.syspath_prepend(str(SHIM))
+    monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
+    import flash_attn_interface as fa3
+
+    assert "flash_attn_3" in importlib.metadata.packages_distributions()["flash_attn_interface"]
+    torch.manual_seed(0)
+    page, heads, kv_heads, dim = 4, 4, 2, 8
+    lengths = [1, 6, -1, 9]
+    k_cache, v_cache = torch.randn(2, 16, page, kv_heads, dim).unbind(0)
+    table = torch.tensor([[5, -1, -1], [2, 9, -1], [-1, -1, -1], [12, 0, 7]], dtype=torch.int32)
+    q, k, v = torch.randn(4, 1, heads, dim), torch.randn(4, 1, kv_heads, dim), torch.randn(4, 1, kv_heads, dim)
+    before = k_cache.clone()
+    out = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+                                      page_table=table, causal=True)
+    written = (k_cache != before).flatten(0, 1).flatten(1).any(1).nonzero().flatten().tolist()
+    assert written == [5 * page + 1, 7 * page + 1, 9 * page + 2]  # rows 0, 3, 1; none for the padding row
+    for b, past in enumerate(lengths):
+        if past < 0:
+            continue
+        slots = [p * page + s for p in table[b].tolist() if p >= 0 for s in range(page)][:past + 1]
+        keys, values = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+        assert torch.equal(keys[-1], k[b, 0]) and torch.equal(values[-1], v[b, 0])
+        want = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                              enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(out[b], want)
+    with pytest.raises(NotImplementedError, match="rotary_cos"):
+        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.zeros(4, dtype=torch.int32),
+                                    page_table=table, rotary_cos=torch.zeros(1))
 
 
 def test_the_kernels_own_graph_break_splits_the_decode_sites(llama, flash_attention_2, prepared, monkeypatch):
