@@ -191,7 +191,7 @@ def load(args, device):
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call persistent-manager warning
     config = model_config(args, dist.get_world_size())
     path = random_checkpoint(config, device, args.ckpt_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa",
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=args.attn,
                                                  **tp_kwargs("auto")).eval()
     prepared = prepare_for_compile(model)
     if args.shared_gpu and args.cuda_graphs:  # a gloo all-gather cannot be captured: the LM head whole
@@ -222,6 +222,9 @@ def main() -> int:
     p.add_argument("--kv-padding", type=int, default=0, metavar="TOKENS",
                    help="transformers' kv_padding_interval_size (0: its default, 16384): a varlen step reads the "
                         "cache padded to a multiple of this many tokens")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_3"],
+                   help="attention; flash_attention_3 takes transformers' decode fast path (paged kernel) and needs "
+                        "benchmarks/device/fa3_setup.sh sourced first")
     p.add_argument("--backend", default="auto")
     p.add_argument("--fake-world", type=int, default=0, metavar="N")
     p.add_argument("--shared-gpu", action="store_true")
@@ -269,7 +272,7 @@ def main() -> int:
                        "layers": config.num_hidden_layers, "hidden": config.hidden_size, "world": world,
                        "fake_world": args.fake_world, "shared_gpu": args.shared_gpu, "cuda_graphs": args.cuda_graphs,
                        "prompt": args.prompt, "new": args.new, "backend": backend, "prepared": prepared,
-                       "kv_padding": args.kv_padding or None,
+                       "kv_padding": args.kv_padding or None, "attn": args.attn,
                        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
                        "transformers": transformers.__version__}, "configs": {}, "mixes": {}}
     out = Path(args.out, f"serving_{config.model_type}_w{world}{'_fake' if args.fake_world else ''}"

@@ -295,8 +295,8 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
             for key, unit, higher in (("tokens_per_s", "tokens/s", True), ("itl_ms", "ms inter-token", False),
                                       ("ttft_ms", "ms to first token", False)):
                 row = {**common, "path": "generate_batch", "model": model, "tp": meta["world"],
-                       "case": f"{requests} requests, {unit}" + (f", KV padded to {meta['kv_padding']}"
-                                                                 if meta.get("kv_padding") else ""),
+                       "case": f"{requests} requests, {unit}" + (f", KV padded to {meta['kv_padding']}" if meta.get(
+                           "kv_padding") else "") + (f", {meta['attn']}" if meta.get("attn", "sdpa") != "sdpa" else ""),
                        "unit": unit, "off": round(r["off"][key], 3),
                        "on": round(r["on"][key], 3), "speed": speed(r["off"][key], r["on"][key], higher), "note": note}
                 calls = [(a[key], b[key]) for a, b in zip(r["off"].get("calls", []), r["on"].get("calls", []))]
@@ -376,7 +376,7 @@ def merge_serving(paths: list[Path]) -> dict[Path, dict]:
         data = json.loads(path.read_text())
         meta = data["meta"]
         key = tuple(meta.get(k) for k in ("device", "model_type", "layers", "hidden", "world", "fake_world",
-                                          "prompt", "new", "cuda_graphs", "kv_padding"))
+                                          "prompt", "new", "cuda_graphs", "kv_padding", "attn"))
         other = by_setup.get(key)
         if other is not None and not set(data["configs"]) & set(merged[other]["configs"]):
             into = merged[other]
