@@ -227,7 +227,7 @@ def test_the_fa3_shim_writes_the_step_and_attends_over_its_pages(monkeypatch):
         want = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                               enable_gqa=True).transpose(0, 1)
         torch.testing.assert_close(out[b], want)
-    with pytest.raises(NotImplementedError, match="rotary_cos"):
+    with pytest.raises(NotImplementedError, match="rotary_cos not supported"):
         fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.zeros(4, dtype=torch.int32),
                                     page_table=table, rotary_cos=torch.zeros(1))
 

@@ -59,22 +59,24 @@ def _fwd(q, k, v, *, k_new=None, v_new=None, cu_seqlens_q=None, cu_seqlens_k=Non
     return out[0]
 
 
-def _plain(dropout_p=0.0, alibi_slopes=None, return_attn_probs=False, return_softmax_lse=False, **_):
-    if dropout_p or alibi_slopes is not None or return_attn_probs or return_softmax_lse:
-        raise NotImplementedError("arfusion's FA3 shim: no dropout, ALiBi, probabilities or log-sum-exps")
+def _refuse(refused: dict) -> None:
+    """Any other keyword set to something (dropout, ALiBi, rotary, descales, probabilities, ...)."""
+    bad = sorted(k for k, v in refused.items() if v is not None and not (isinstance(v, (bool, int, float)) and not v))
+    if bad:
+        raise NotImplementedError(f"arfusion's FA3 shim: {', '.join(bad)} not supported")
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     deterministic=False, **refused):
     """q [B, Sq, H, D], k and v [B, Sk, Hk, D] -> [B, Sq, H, Dv]."""
-    _plain(**refused)
+    _refuse(refused)
     return _fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
                            causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False, **refused):
     """Packed sequences: q [Tq, H, D], k and v [Tk, Hk, D], cumulative lengths (int32)."""
-    _plain(**refused)
+    _refuse(refused)
     return _fwd(q, k, v, cu_seqlens_q=cu_seqlens_q.to(torch.int32), cu_seqlens_k=cu_seqlens_k.to(torch.int32),
                 max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k), softmax_scale=softmax_scale,
                 causal=causal, window_size=window_size, softcap=softcap)
@@ -103,12 +105,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             **refused):
     """Decode over a paged cache: q [B, 1, H, D]; k and v [B, 1, Hk, D] (the step's, written at
     cache_seqlens) or None; k_cache, v_cache [pages, page_size, Hk, D]; page_table [B, max_pages]."""
-    unknown = {key for key, value in refused.items() if value is not None and key not in (
-        "dropout_p", "alibi_slopes", "return_attn_probs", "return_softmax_lse")}
-    if page_table is None or cache_seqlens is None or q.shape[1] != 1 or unknown:
-        raise NotImplementedError("arfusion's FA3 shim: one query per sequence, a page table and cache_seqlens only"
-                                  + (f" (not {sorted(unknown)})" if unknown else ""))
-    _plain(**{key: value for key, value in refused.items() if key not in unknown})
+    _refuse(refused)
+    if page_table is None or cache_seqlens is None or q.shape[1] != 1:
+        raise NotImplementedError("arfusion's FA3 shim: one query per sequence, a page table and cache_seqlens only")
     batch, _, heads, dim = q.shape
     if k is not None:
         write_paged(k_cache, k[:, 0], page_table, cache_seqlens)
