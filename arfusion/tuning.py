@@ -237,9 +237,14 @@ def _setting(knobs: dict) -> frozenset:
     return frozenset(knobs.items())
 
 
+def _own(r: Measured) -> list:
+    """[{}, us]: FlashInfer's call at r.tokens with its own knobs."""
+    return next(e for e in r.knobs_us if not e[0])
+
+
 def _wins(r: Measured, margin: float) -> set[frozenset]:
     """The settings that beat FlashInfer's own knobs ({}) at r.tokens by more than `margin`."""
-    own_us = next(us for knobs, us in r.knobs_us if not knobs)
+    own_us = _own(r)[1]
     return {_setting(k) for k, us in r.knobs_us if k and us < own_us * (1 - margin)}
 
 
@@ -253,8 +258,8 @@ def knob_choices(rows: Iterable[Measured], margin: float = KNOB_MARGIN) -> dict[
     choices = {}
     for i, r in enumerate(swept):
         near = set().union(*(wins[j] for j in (i - 1, i + 1) if 0 <= j < len(swept)))
-        own = next(e for e in r.knobs_us if not e[0])
-        knobs, us = min((e for e in r.knobs_us if _setting(e[0]) in wins[i] & near), key=lambda e: e[1], default=own)
+        knobs, us = min((e for e in r.knobs_us if _setting(e[0]) in wins[i] & near), key=lambda e: e[1],
+                        default=_own(r))
         choices[r.tokens] = (dict(knobs), us)
     return choices
 
@@ -268,7 +273,7 @@ def row_of(t: int, times: Sequence[float], swept: Sequence[dict] = ()) -> Measur
     r = Measured(t, unfused, one, None if two != two else two, quant[0] if quant else None, nccl, plain_us,
                  [[dict(k), us] for k, us in zip(swept, knob_times)] or None)
     if swept:
-        r.quantized_us = next(us for k, us in r.knobs_us if not k)
+        r.quantized_us = _own(r)[1]
     return r
 
 
