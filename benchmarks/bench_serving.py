@@ -188,7 +188,10 @@ def load(args, device):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call persistent-manager warning
+    # Its warning at each call that keeps the manager dropped; every other one shown (a failed warm-up
+    # capture is a warning, and the first error after it says nothing of its cause).
+    logging.getLogger("ContinuousBatchingLogger").addFilter(
+        lambda record: not str(record.msg).startswith("Since you passed `persistent_manager=True`"))
     config = model_config(args, dist.get_world_size())
     path = random_checkpoint(config, device, args.ckpt_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=args.attn,

@@ -42,21 +42,40 @@ def _load() -> None:
 _load()
 
 
-def _fwd(q, k, v, *, k_new=None, v_new=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None,
-         max_seqlen_q=None, max_seqlen_k=None, page_table=None, softmax_scale=None, causal=False,
-         window_size=(-1, -1), softcap=0.0, num_splits=0):
-    """`_vllm_fa3_C::fwd` with everything else off; returns the attention output."""
+def _fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
+         page_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0):
+    """The attention output of `_vllm_fa3_C::fwd` with everything else off, through `attend`."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return torch.ops.arfusion_fa3.attend(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                                         page_table, float(scale), bool(causal), int(window_size[0]),
+                                         int(window_size[1]), float(softcap or 0.0), int(num_splits))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+           cu_seqlens_k: torch.Tensor | None, seqused_k: torch.Tensor | None, max_seqlen_q: int | None,
+           max_seqlen_k: int | None, page_table: torch.Tensor | None, softmax_scale: float, causal: bool,
+           window_left: int, window_right: int, softcap: float, num_splits: int) -> torch.Tensor:
+    """`arfusion_fa3::attend`: one opaque node for Dynamo, with a fake, as Flash Attention 3's own
+    interface registers its forward: a compiled model's graph stays whole around attention (vLLM's
+    op has no fake kernel, so Dynamo would break the graph there)."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.ops._vllm_fa3_C.fwd(
-        q, k, v, k_new, v_new, None, None,  # q, k, v, k_new, v_new, q_v, out
+        q, k, v, None, None, None, None,  # q, k, v, k_new, v_new, q_v, out
         cu_seqlens_q, cu_seqlens_k, None, None, seqused_k,  # cu q, cu k, cu k_new, seqused q, seqused k
         max_seqlen_q, max_seqlen_k, page_table, None, None,  # kv_batch_idx, leftpad_k
         None, None, None, None, None, None,  # rotary cos/sin/seqlens, q/k/v descale
-        float(scale), bool(causal), int(window_size[0]), int(window_size[1]), float(softcap or 0.0),
-        True, None, int(num_splits), None, 0,  # rotary interleaved, scheduler metadata, splits, pack_gqa, sm_margin
+        softmax_scale, causal, window_left, window_right, softcap,
+        True, None, num_splits, None, 0,  # rotary interleaved, scheduler metadata, splits, pack_gqa, sm_margin
         None, 1, 0, None)  # s_aux, context-parallel world, rank, total seqused
     return out[0]
+
+
+def _attend_fake(q, k, v, *rest):
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+if not hasattr(torch.ops.arfusion_fa3, "attend"):  # once per process, also when the module is imported again
+    torch.library.custom_op("arfusion_fa3::attend", attend, mutates_args=()).register_fake(_attend_fake)
 
 
 def _refuse(refused: dict) -> None:
@@ -91,11 +110,11 @@ def write_paged(cache: torch.Tensor, new: torch.Tensor, page_table: torch.Tensor
     valid = positions >= 0
     pos = positions.clamp(min=0).long()
     slot = page_table.long().gather(1, (pos // page).unsqueeze(1)).squeeze(1) * page + pos % page
-    first = torch.argmax(valid.to(torch.int32))
+    first = torch.argmax(valid.to(torch.int32)).view(1)  # index_select, not slot[first]: a 0-d index syncs
     any_valid = valid.any()
-    slot = torch.where(valid, slot, slot[first])
+    slot = torch.where(valid, slot, slot.index_select(0, first))
     slot = torch.where(any_valid, slot, torch.zeros_like(slot))
-    rows = torch.where(valid.view(-1, *[1] * (new.dim() - 1)), new, new[first])
+    rows = torch.where(valid.view(-1, *[1] * (new.dim() - 1)), new, new.index_select(0, first))
     rows = torch.where(any_valid, rows, flat[0].expand_as(rows))
     flat.index_copy_(0, slot, rows.to(flat.dtype))
 
