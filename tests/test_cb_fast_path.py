@@ -248,6 +248,14 @@ def test_the_fa3_shim_writes_the_step_and_attends_over_its_pages(monkeypatch):
         want = F.scaled_dot_product_attention(q[b].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                               enable_gqa=True).transpose(0, 1)
         torch.testing.assert_close(out[b], want)
+    # Batched calls (transformers' non-paged path) go to the varlen kernels, vLLM's build has no other.
+    q2, k2, v2 = torch.randn(2, 3, heads, dim), torch.randn(2, 5, kv_heads, dim), torch.randn(2, 5, kv_heads, dim)
+    got = fa3.flash_attn_func(q2, k2, v2, causal=True)
+    mask = torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2)  # bottom-right aligned
+    want = F.scaled_dot_product_attention(q2.transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), attn_mask=mask,
+                                          enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, want)
+    assert fake_flash_attn.CALLS["_vllm_fa3_C::fwd"] == 2
     with pytest.raises(NotImplementedError, match="rotary_cos not supported"):
         fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.zeros(4, dtype=torch.int32),
                                     page_table=table, rotary_cos=torch.zeros(1))

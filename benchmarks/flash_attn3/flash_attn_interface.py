@@ -87,9 +87,15 @@ def _refuse(refused: dict) -> None:
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     deterministic=False, **refused):
-    """q [B, Sq, H, D], k and v [B, Sk, Hk, D] -> [B, Sq, H, Dv]."""
+    """q [B, Sq, H, D], k and v [B, Sk, Hk, D] -> [B, Sq, H, Dv]: as packed sequences of equal
+    lengths (vLLM's build has the varlen kernels only)."""
     _refuse(refused)
-    return _fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    (batch, sq), sk = q.shape[:2], k.shape[1]
+    cu_q, cu_k = (torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=q.device) for n in (sq, sk))
+    out = _fwd(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+               max_seqlen_q=sq, max_seqlen_k=sk, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+               softcap=softcap)
+    return out.view(batch, sq, *out.shape[1:])
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
