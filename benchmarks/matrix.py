@@ -113,8 +113,9 @@ def plan() -> str:
 
 def parse_spec(spec: str) -> tuple[str, list[int] | None, dict, list[str]]:
     """'generate2@2,3:A=1:B=2' -> ('generate2', [2, 3], {'A': '1', 'B': '2'}, []). A key that starts
-    with "--" is one more argument for the stage's script, after its own (so it overrides them):
-    'serve2@0,1:--configs=off' -> (..., {}, ['--configs', 'off']); 'decode2:--batches=8 32' -> [..., '8', '32']."""
+    with "--" is one more argument (or flag) for the stage's script, after its own (so it wins):
+    'serve2@0,1:--configs=off' -> (..., {}, ['--configs', 'off']); 'decode2:--batches=8 32' -> [..., '8', '32'];
+    'serve2:--profile-kernels' -> [..., '--profile-kernels']."""
     head, *sets = spec.split(":")
     name, _, gpus = head.partition("@")
     if name not in STAGES:
@@ -122,11 +123,10 @@ def parse_spec(spec: str) -> tuple[str, list[int] | None, dict, list[str]]:
     devices = [int(g) for g in gpus.split(",")] if gpus else None
     if devices is not None and len(devices) != STAGES[name].gpus:
         raise SystemExit(f"{name} takes {STAGES[name].gpus} GPUs, not {gpus}")
-    bad = [e for e in sets if "=" not in e]
+    bad = [e for e in sets if "=" not in e and not e.startswith("--")]
     if bad:  # e.g. "--gen-variants=greedy:1" cut at its ":"
-        raise SystemExit(f"{spec!r}: {bad[0]!r} is not VAR=VALUE or --ARG=VALUE (':' separates them; "
-                         "write variants as greedy_b1)")
-    pairs = [e.split("=", 1) for e in sets]
+        raise SystemExit(f"{spec!r}: {bad[0]!r} is not VAR=VALUE, --ARG=VALUE or --FLAG (':' splits; greedy_b1)")
+    pairs = [e.split("=", 1) if "=" in e else (e, "") for e in sets]
     args = [word for k, v in pairs if k.startswith("--") for word in (k, *v.split())]
     return name, devices, {k: v for k, v in pairs if not k.startswith("--")}, args
 

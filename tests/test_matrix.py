@@ -25,6 +25,8 @@ def test_stage_specs_and_commands():
     # Extra arguments come after the stage's own, so they win; two runs of one stage write apart.
     name, gpus, env, args = matrix.parse_spec("decode2@0,1:--batches=8 32:X=1")
     assert (env, args) == ({"X": "1"}, ["--batches", "8", "32"])
+    assert matrix.parse_spec("serve2:--profile-kernels:--repeats=4")[3] == ["--profile-kernels", "--repeats", "4"]
+    assert matrix.parse_spec("serve2:--profile-kernels=")[3] == ["--profile-kernels"]  # the older spelling
     cmd = matrix.stage_command(name, Path("/o"), 0, 400, args)
     assert cmd[-5:] == ["--batches", "8", "32", "--out", "/o"] and cmd.index("--floor") < cmd.index("8")
     assert matrix.stage_folder("serve2", ["--configs", "off"]) == "serve2_configs_off"
