@@ -100,8 +100,7 @@ STAGES = {
     "moe2": Stage(2, 560, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --phases decode kernels --floor "
                   "--batches 1 8 --tag moe", "Qwen3-30B-A3B shape decode step, 24 of 48 layers, with the floor"),
     "moe2dsv2": Stage(2, 560, "bench_hf_decode.py", "--model-type deepseek_v2 --phases decode kernels --floor "
-                      "--batches 1 8 --tag moe", "DeepSeek-V2-Lite shape decode step, all 27 layers, with the floor"),
-}
+                      "--batches 1 8 --tag moe", "DeepSeek-V2-Lite shape decode step, all 27 layers, with the floor")}
 
 
 def plan() -> str:
@@ -288,7 +287,8 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
         for requests, r in data.get("mixes", {}).items():
             if "off" not in r or "on" not in r:
                 continue
-            note = "off and on at once on two GPU pairs of the host" if meta.get("merged_from") else ""
+            note = ("off and on at once on two GPU pairs of the host" if meta.get("merged_from")
+                    else f"in one process, {next(iter(data.get('configs') or {'off': 0}))} first")
             excluded = sum(len(r[c].get("excluded_calls", [])) for c in ("off", "on"))
             if excluded:  # timed calls that captured CUDA graphs or compiled (bench_serving.steady_calls)
                 note = "; ".join(filter(None, [note, f"{excluded} calls excluded (graphs captured or compiled)"]))
@@ -377,8 +377,8 @@ def merge_serving(paths: list[Path]) -> dict[Path, dict]:
         meta = data["meta"]
         key = tuple(meta.get(k) for k in ("device", "model_type", "layers", "hidden", "world", "fake_world",
                                           "prompt", "new", "cuda_graphs", "kv_padding", "attn"))
-        other = by_setup.get(key)
-        if other is not None and not set(data["configs"]) & set(merged[other]["configs"]):
+        other = next((p for p in by_setup.get(key, []) if not set(data["configs"]) & set(merged[p]["configs"])), None)
+        if other is not None:
             into = merged[other]
             into["meta"]["merged_from"] = [other.name, path.name]
             into["configs"].update(data["configs"])
@@ -386,7 +386,7 @@ def merge_serving(paths: list[Path]) -> dict[Path, dict]:
                 into["mixes"].setdefault(requests, {}).update(row)
             continue
         merged[path] = data
-        by_setup[key] = path
+        by_setup.setdefault(key, []).append(path)
     return merged
 
 

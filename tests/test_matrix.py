@@ -141,7 +141,8 @@ def test_report_rows_bar_table_and_plot(tmp_path):
 
 
 def test_report_merges_serving_off_and_on_run_apart(tmp_path):
-    """serve2 off and serve2 on at once on two GPU pairs: two files, one row set; a lone config makes no row."""
+    """serve2 off and serve2 on at once on two GPU pairs: two files, one row set, also with a run of
+    both configs of that setup among them; a lone config makes no row."""
     pytest.importorskip("matplotlib")
     meta = {**META, "prompt": 512, "new": 128, "cuda_graphs": True}
     mix = lambda tps, itl: {"tokens_per_s": tps, "itl_ms": itl, "ttft_ms": 100.0}  # noqa: E731
@@ -152,6 +153,9 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
           "mixes": {"1": {"on": mix(42.0, 23.8)}, "16": {"on": {**mix(560.0, 28.0), **timed(550.0, 572.0)}}}})
     write(tmp_path / "serve4_configs_on", "serving_llama_w4.json", {"meta": {**meta, "world": 4},
           "configs": {"on": {}}, "mixes": {"1": {"on": mix(50.0, 20.0)}}})
+    # A run of both configs of the same setup (sorted between them) keeps them apart from it.
+    write(tmp_path / "serve2_configs_offon", "serving_llama_w2.json", {"meta": meta, "configs": {"off": {}, "on": {}},
+          "mixes": {"64": {"off": mix(900.0, 60.0), "on": mix(950.0, 57.0)}}})
     # Another KV padding is another setup: its lone "off" joins nothing.
     write(tmp_path / "serve2_kv", "serving_llama_w2.json", {"meta": {**meta, "kv_padding": 256},
           "configs": {"off": {}}, "mixes": {"1": {"off": mix(60.0, 15.0)}}})
@@ -161,7 +165,7 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
               "configs": {config: {}}, "mixes": {"16": {config: mix(tps, 20.0)}}})
     matrix.report([str(tmp_path)], tmp_path / "out", "m")
     rows = json.loads((tmp_path / "out" / "matrix_m.json").read_text())["rows"]
-    assert {r["tp"] for r in rows} == {2} and len(rows) == 9
+    assert {r["tp"] for r in rows} == {2} and len(rows) == 12
     assert {r["case"]: r["speed"] for r in rows}["16 requests, tokens/s, flash_attention_3"] == 1.1
     tps = {r["case"]: r for r in rows if r["unit"] == "tokens/s"}
     assert tps["16 requests, tokens/s"]["speed"] == 1.12 and "two GPU pairs" in tps["16 requests, tokens/s"]["note"]
