@@ -16,6 +16,7 @@ a tiny fp32 Llama, a cache of 64 blocks.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import sys
 import tempfile
@@ -73,9 +74,11 @@ class _CudaSaysYes:
         return getattr(torch, name)
 
 
+@contextlib.contextmanager
 def _switcher(monkeypatch, implementation: str, calls):
-    """Restores transformers' lazily loaded Flash Attention functions after the test; returns
-    switch(model), which sets `model`'s attention implementation and returns the kernel's call log."""
+    """Gives switch(model), which sets `model`'s attention implementation and returns the kernel's
+    call log; at exit every switched model gets its own back (and, by monkeypatch, transformers its
+    lazily loaded Flash Attention functions)."""
     for name in LOADED:
         monkeypatch.setattr(flash_utils, name, getattr(flash_utils, name))
     # fp32 activations: transformers casts them to the linears' dtype (fp32 here, a no-op) and logs
@@ -88,7 +91,9 @@ def _switcher(monkeypatch, implementation: str, calls):
         model.config._attn_implementation_internal = implementation  # set_attn_implementation checks CUDA
         return calls
 
-    return switch, switched
+    yield switch
+    for config, original in switched:
+        config._attn_implementation_internal = original
 
 
 @pytest.fixture
@@ -101,10 +106,8 @@ def flash_attention_2(monkeypatch):
     # Its device check: FA2/3 on CUDA or FA2 on XPU. The XPU name, not torch.cuda.is_available,
     # which would send the rest of the run down CUDA code.
     monkeypatch.setattr(initialization, "is_torch_xpu_available", lambda *a, **k: True)
-    switch, switched = _switcher(monkeypatch, "flash_attention_2", calls)
-    yield switch
-    for config, implementation in switched:
-        config._attn_implementation_internal = implementation
+    with _switcher(monkeypatch, "flash_attention_2", calls) as switch:
+        yield switch
     fake_flash_attn.remove_fake_flash_attn()
 
 
@@ -117,10 +120,8 @@ def flash_attention_3(monkeypatch):
     monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
     monkeypatch.setattr(flash_utils, "is_flash_attn_3_available", lambda *a, **k: True)
     monkeypatch.setattr(initialization, "torch", _CudaSaysYes())  # its one CUDA question, in that check alone
-    switch, switched = _switcher(monkeypatch, "flash_attention_3", calls)
-    yield switch
-    for config, implementation in switched:
-        config._attn_implementation_internal = implementation
+    with _switcher(monkeypatch, "flash_attention_3", calls) as switch:
+        yield switch
 
 
 @pytest.fixture
