@@ -35,7 +35,8 @@ def _missing() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
+MISSING = _missing()
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 PAGE, HEADS, KV_HEADS, DIM = 16, 8, 2, 128
 
 
