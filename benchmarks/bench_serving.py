@@ -23,8 +23,10 @@ token). The table holds the medians over the timed calls and the ratio on / off.
 which transformers captured a CUDA graph (it records one per new padded size, also after the first
 call) or Dynamo compiled is excluded and kept apart (`excluded_calls`); calls are made until
 --repeats steady ones or twice as many were made. With TP, ranks other than 0 look for new
-requests every 0.1 s (transformers' generation loop), so a call's TTFT varies by up to 100 ms in
-either config. Greedy tokens
+requests every 0.1 s when idle (transformers' generation loop), and rank 0's first step waits for
+them: a call's TTFT and tokens/s then vary by up to 100 ms in either config, more than the pass
+changes. --idle-wait-ms (default 1) shortens that wait on every rank; 100 is transformers' own.
+Greedy tokens
 of "on" against "off": identical up to the first step where the model's two best logits are
 within bf16 rounding (arfusion.testing.greedy_departures).
 
@@ -89,6 +91,27 @@ def serving_metrics(outputs: dict) -> dict:
     span = max(ends) - min(starts)
     return {"ttft_ms": 1e3 * statistics.median(ttft), "itl_ms": 1e3 * statistics.median(gaps),
             "itl_p90_ms": 1e3 * percentile(gaps, 0.9), "tokens_per_s": tokens / span, "new_tokens": tokens}
+
+
+def shorten_idle_wait(seconds: float) -> None:
+    """transformers' generation loop, when idle, waits up to 0.1 s for new requests; a request
+    wakes rank 0 at once, but nothing wakes the other TP ranks, and rank 0's next step waits for
+    them. From now on every continuous-batching manager made waits at most `seconds` instead."""
+    import threading
+
+    from transformers.generation.continuous_batching import continuous_api
+
+    class ShortWait(threading.Event):
+        def wait(self, timeout=None):
+            return super().wait(timeout if timeout is None else min(timeout, seconds))
+
+    made = continuous_api.ContinuousBatchingManager.__init__
+
+    def init(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self._wake_up_loop = ShortWait()
+
+    continuous_api.ContinuousBatchingManager.__init__ = init
 
 
 @contextlib.contextmanager
@@ -237,6 +260,8 @@ def main() -> int:
     p.add_argument("--profile-kernels", action="store_true",
                    help="one more call of the largest mix per config under torch.profiler: where the device time "
                         "goes (kernels_CONFIG_rankR.txt; the top 10 in the JSON)")
+    p.add_argument("--idle-wait-ms", type=float, default=1.0,
+                   help="longest wait of an idle generation loop for new requests (100: transformers' own)")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--out", default="results")
     args = p.parse_args()
@@ -264,6 +289,8 @@ def main() -> int:
     config, model, prepared = load(args, device)
     import transformers
 
+    shorten_idle_wait(args.idle_wait_ms / 1e3)
+
     cb = {"max_memory_percent": args.max_memory_percent} if cuda else {}
     if cuda:
         cb.update(num_blocks=None, max_batch_tokens=None)
@@ -276,6 +303,7 @@ def main() -> int:
                        "fake_world": args.fake_world, "shared_gpu": args.shared_gpu, "cuda_graphs": args.cuda_graphs,
                        "prompt": args.prompt, "new": args.new, "backend": backend, "prepared": prepared,
                        "kv_padding": args.kv_padding or None, "attn": args.attn,
+                       "idle_wait_ms": args.idle_wait_ms,
                        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
                        "transformers": transformers.__version__}, "configs": {}, "mixes": {}}
     out = Path(args.out, f"serving_{config.model_type}_w{world}{'_fake' if args.fake_world else ''}"

@@ -57,6 +57,27 @@ def test_calls_that_capture_or_compile_are_excluded_and_counted(monkeypatch):
     assert steady == [] and len(excluded) == 4
 
 
+def test_an_idle_loop_waits_at_most_the_idle_wait(monkeypatch):
+    """Every manager made after `shorten_idle_wait(s)` waits at most s for new requests, not 0.1 s;
+    a wait without a timeout stays one."""
+    import threading
+    import time
+
+    from transformers.generation.continuous_batching import continuous_api
+
+    def made(self, *args, **kwargs):  # the manager's own __init__ makes its wake-up event
+        self._wake_up_loop = threading.Event()
+
+    monkeypatch.setattr(continuous_api.ContinuousBatchingManager, "__init__", made)
+    bench_serving.shorten_idle_wait(0.002)
+    manager = continuous_api.ContinuousBatchingManager()
+    started = time.perf_counter()
+    assert manager._wake_up_loop.wait(timeout=0.1) is False
+    assert time.perf_counter() - started < 0.05
+    manager._wake_up_loop.set()
+    assert manager._wake_up_loop.wait() is True
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_off_and_on_on_two_gloo_ranks(tmp_path):
