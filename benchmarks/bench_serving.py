@@ -26,6 +26,8 @@ call) or Dynamo compiled is excluded and kept apart (`excluded_calls`); calls ar
 requests every 0.1 s when idle (transformers' generation loop), and rank 0's first step waits for
 them: a call's TTFT and tokens/s then vary by up to 100 ms in either config, more than the pass
 changes. --idle-wait-ms (default 1) shortens that wait on every rank; 100 is transformers' own.
+Ranks other than 0 also see a call's end up to 1 s late (they poll for it), so timed calls start
+after a barrier, as in a server whose generation loop never stops.
 Greedy tokens
 of "on" against "off": identical up to the first step where the model's two best logits are
 within bf16 rounding (arfusion.testing.greedy_departures).
@@ -323,6 +325,9 @@ def main() -> int:
         say(f"{name}: first call (compile, CUDA-graph capture, {max(mixes)} requests) {first.seconds:.1f}s")
         for requests in mixes:
             def call(requests=requests):
+                # A rank other than 0 returns from a call up to 1 s after rank 0 (it polls for the end) and
+                # starts its loop only in the next; rank 0's new requests would wait for it: start together.
+                dist.barrier()
                 run = generate_batch(model, prompts[requests], args.new, config=passes[name], cuda_graphs=graphs,
                                      record_timestamps=True, persistent=True, **cb)
                 runs[(name, requests)] = run
