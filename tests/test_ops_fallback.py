@@ -7,9 +7,10 @@ import torch
 from torch._dynamo.utils import counters
 
 import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
-from arfusion import execution, reference, runtime
+from arfusion import execution, policy, reference, runtime
 from arfusion.core import Form
 from arfusion.policy import Caps
+from .helpers import run_workers
 
 SITE = Form(residual=True, norm="rms", quant="fp8_dynamic", emit_norm=True)
 
@@ -53,6 +54,41 @@ def test_gpu_fallback_is_all_reduce_plus_compiled_norm(world_of_one, monkeypatch
     assert torch.equal(got[0], want[0])
     assert torch.allclose(got[1].float(), want[1].float(), atol=2e-2, rtol=2e-2)
     assert torch.allclose(got[3], want[3], rtol=1e-2)
+
+
+def _sums_without_touching_the_input(rank):
+    """On each rank: a large x (threshold lowered) is summed by reduce-scatter + all-gather, never
+    copied; an x whose elements do not split evenly, or a strided one, by an all-reduce of a copy."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD.group_name
+    collectives = []
+    real_rs, real_ar = dist.reduce_scatter_tensor, dist.all_reduce
+    dist.reduce_scatter_tensor = lambda *a, **k: collectives.append("rs") or real_rs(*a, **k)
+    dist.all_reduce = lambda *a, **k: collectives.append("ar") or real_ar(*a, **k)
+    threshold, policy.OUT_OF_PLACE_MIN_BYTES = policy.OUT_OF_PLACE_MIN_BYTES, 0
+    try:
+        for x, way in ((torch.arange(24.0).reshape(4, 6) + 100 * rank, "rs"),
+                       (torch.arange(15.0).reshape(3, 5) + 100 * rank, "ar"),  # 15 elements over 2 ranks
+                       ((torch.arange(24.0).reshape(4, 6) + 100 * rank).t(), "ar")):  # strided
+            before = x.clone()
+            collectives.clear()
+            got = execution.all_reduce_on_current_stream(x, group)
+            want = 2 * (before - 100 * rank) + 100  # x0 + x1
+            assert torch.equal(got, want) and got.is_contiguous() and collectives == [way], (way, collectives)
+            assert torch.equal(x, before)
+        policy.OUT_OF_PLACE_MIN_BYTES = threshold  # as shipped: 96 bytes are far below it
+        collectives.clear()
+        execution.all_reduce_on_current_stream(torch.ones(4, 6), group)
+        assert collectives == ["ar"]
+    finally:
+        policy.OUT_OF_PLACE_MIN_BYTES = threshold
+        dist.reduce_scatter_tensor, dist.all_reduce = real_rs, real_ar
+
+
+@pytest.mark.multiproc
+def test_a_large_unfused_all_reduce_does_not_copy_its_input():
+    run_workers(_sums_without_touching_the_input, 2)
 
 
 def _norm_only(h):  # a function of its own: `compiled` caches per function
