@@ -5,18 +5,17 @@
     python benchmarks/matrix.py run "serve2@0,1:--configs=off+serve2@2,3:--configs=on" --out $OUT/m --deadline 550
     python benchmarks/matrix.py report $OUT/m ... --out docs/data/matrix   # JSON + PNG + table per machine
 
-`run` takes groups in order; the stages of one group (joined by "+") run at the same time, each on
-the GPUs after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host; stages joined
-by ">" run one after another in their lane (quantized2@2,3>moe2@2,3 beside site2@0,1). A stage may
-set variables after ":" (generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl
-runs it with that transformers, installed apart). Each stage runs under its own limit, cut to what
-is left of --deadline, and writes its JSON and log under --out/STAGE (the folder's name adds the
-stage's variables and arguments). Off and on run in one process (serving: in two stages at once
-on two GPU pairs, or back to back on the same warm host), so every ratio comes from one machine.
-A decode stage needs the host alone: its six compiles (off, on, floor; batch 1 and the dynamic batch)
-beside another stage's did not finish in 465 s on 4×H100 (2026-11-27), and beside the site stages its
-batch-1 floor came out 8% shorter than alone on another H200 host (2026-11-28). A serve
-stage runs one config at a time (:--configs=off, :--configs=on), and `report` joins the two files.
+`run` takes groups in order; the stages of one group (joined by "+") run at the same time, each on the GPUs
+after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host; stages joined by ">" run one
+after another in their lane (quantized2@2,3>moe2@2,3 beside site2@0,1). A stage may set variables after ":"
+(generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl runs it with that transformers,
+installed apart). Each stage runs under its own limit, cut to what is left of --deadline, and writes its JSON
+and log under --out/STAGE (the folder's name adds the stage's variables and arguments). Off and on run in one
+process (serving: in two stages at once on two GPU pairs, or back to back on the same warm host), so every
+ratio comes from one machine. A decode stage needs the host alone: its six compiles (off, on, floor; batch 1
+and the dynamic batch) beside another stage's did not finish in 465 s on 4×H100 (2026-11-27), and beside the
+site stages its batch-1 floor came out 8% shorter than alone on another H200 host (2026-11-28). A serve stage
+runs one config at a time (:--configs=off, :--configs=on), and `report` joins the two files.
 
 `report` reads every result JSON under the folders given (bench_fused_op.py's bench_*_w*.json,
 bench_hf_decode.py's decode_*.json, bench_serving.py's serving_*.json), groups them by machine
@@ -287,8 +286,9 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
         for requests, r in data.get("mixes", {}).items():
             if "off" not in r or "on" not in r:
                 continue
+            started = f"; calls started together, idle wait {meta['idle_wait_ms']:g} ms" if meta.get("idle_wait_ms") else ""
             note = ("off and on at once on two GPU pairs of the host" if meta.get("merged_from")
-                    else f"in one process, {next(iter(data.get('configs') or {'off': 0}))} first")
+                    else f"in one process, {next(iter(data.get('configs') or {'off': 0}))} first") + started
             excluded = sum(len(r[c].get("excluded_calls", [])) for c in ("off", "on"))
             if excluded:  # timed calls that captured CUDA graphs or compiled (bench_serving.steady_calls)
                 note = "; ".join(filter(None, [note, f"{excluded} calls excluded (graphs captured or compiled)"]))
@@ -376,7 +376,7 @@ def merge_serving(paths: list[Path]) -> dict[Path, dict]:
         data = json.loads(path.read_text())
         meta = data["meta"]
         key = tuple(meta.get(k) for k in ("device", "model_type", "layers", "hidden", "world", "fake_world",
-                                          "prompt", "new", "cuda_graphs", "kv_padding", "attn"))
+                                          "prompt", "new", "cuda_graphs", "kv_padding", "attn", "idle_wait_ms"))
         other = next((p for p in by_setup.get(key, []) if not set(data["configs"]) & set(merged[p]["configs"])), None)
         if other is not None:
             into = merged[other]

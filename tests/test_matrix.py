@@ -159,14 +159,21 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
     # Another KV padding is another setup: its lone "off" joins nothing.
     write(tmp_path / "serve2_kv", "serving_llama_w2.json", {"meta": {**meta, "kv_padding": 256},
           "configs": {"off": {}}, "mixes": {"1": {"off": mix(60.0, 15.0)}}})
-    # Flash Attention 3's decode fast path: its own setup, its off and on joined, its attention named.
+    # Flash Attention 3's decode fast path: its own setup, its off and on joined, its attention named;
+    # calls started together with a short idle wait (bench_serving.py since 2026-11-28), said in the note.
     for config, tps in (("off", 70.0), ("on", 77.0)):
-        write(tmp_path / f"serve2_fa3_{config}", "serving_llama_w2.json", {"meta": {**meta, "attn": "flash_attention_3"},
-              "configs": {config: {}}, "mixes": {"16": {config: mix(tps, 20.0)}}})
+        write(tmp_path / f"serve2_fa3_{config}", "serving_llama_w2.json", {"meta": {
+              **meta, "attn": "flash_attention_3", "idle_wait_ms": 1.0}, "configs": {config: {}},
+              "mixes": {"16": {config: mix(tps, 20.0)}}})
+    # The same with transformers' own idle wait is another setup: its lone "off" joins neither.
+    write(tmp_path / "serve2_fa3_slow", "serving_llama_w2.json", {"meta": {
+          **meta, "attn": "flash_attention_3", "idle_wait_ms": 100.0}, "configs": {"off": {}},
+          "mixes": {"16": {"off": mix(10.0, 20.0)}}})
     matrix.report([str(tmp_path)], tmp_path / "out", "m")
     rows = json.loads((tmp_path / "out" / "matrix_m.json").read_text())["rows"]
     assert {r["tp"] for r in rows} == {2} and len(rows) == 12
-    assert {r["case"]: r["speed"] for r in rows}["16 requests, tokens/s, flash_attention_3"] == 1.1
+    fa3 = {r["case"]: r for r in rows}["16 requests, tokens/s, flash_attention_3"]
+    assert fa3["speed"] == 1.1 and fa3["note"].endswith("; calls started together, idle wait 1 ms")
     tps = {r["case"]: r for r in rows if r["unit"] == "tokens/s"}
     assert tps["16 requests, tokens/s"]["speed"] == 1.12 and "two GPU pairs" in tps["16 requests, tokens/s"]["note"]
     # The spread pairs the i-th timed calls: 550 / 500 and 572 / 520.
