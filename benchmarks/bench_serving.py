@@ -184,7 +184,7 @@ def host_profile(path: Path):
 @contextlib.contextmanager
 def kernel_profile(path: Path, device: torch.device, into: dict):
     """torch.profiler over the calls inside: what ran on the device (CUDA kernels, also inside
-    transformers' CUDA graphs; on CPU, the ops of every thread) by own time. The top 30 go to
+    transformers' CUDA graphs; on CPU, the ops of every thread) by own time. The top 80 go to
     `path` as a table, the top 10 into `into["kernels"]` with their share of the total."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -200,7 +200,7 @@ def kernel_profile(path: Path, device: torch.device, into: dict):
     into["kernels"] = [{"name": e.key[:120], "calls": e.count, "self_ms": round(getattr(e, key) / 1e3, 3),
                         "share": round(getattr(e, key) / total, 4)} for e in top[:10]]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(events.table(sort_by=key, row_limit=30))
+    path.write_text(events.table(sort_by=key, row_limit=80))
 
 
 def prompts_for(requests: int, length: int, vocab: int) -> list[list[int]]:
