@@ -16,21 +16,21 @@ a server keeps one (`persistent_manager`): a first call of the largest mix compi
 transformers' CUDA graphs and sizes the cache, then each mix runs --repeats timed calls that
 reuse them. transformers' own CUDA graphs are on (--no-cuda-graphs turns them off).
 
-Per call, from transformers' per-token timestamps (`record_timestamps`): time to first token
-(from the request's admission), inter-token latency (median and p90 over every gap of every
-request), and output tokens per second (all new tokens over the first admission to the last
-token). The table holds the medians over the timed calls and the ratio on / off. A timed call in
+Per call, from transformers' per-token timestamps (`record_timestamps`): time to first token (from
+the request's admission), inter-token latency (median and p90 over every gap of every request), and
+output tokens per second (all new tokens over the first admission to the last token); and how the
+scheduler cut it into steps (each varlen step's query tokens, and the number of decode fast-path
+steps). The table holds the medians over the timed calls and the ratio on / off. A timed call in
 which transformers captured a CUDA graph (it records one per new padded size, also after the first
 call) or Dynamo compiled is excluded and kept apart (`excluded_calls`); calls are made until
---repeats steady ones or twice as many were made. With TP, ranks other than 0 look for new
-requests every 0.1 s when idle (transformers' generation loop), and rank 0's first step waits for
-them: a call's TTFT and tokens/s then vary by up to 100 ms in either config, more than the pass
-changes. --idle-wait-ms (default 1) shortens that wait on every rank; 100 is transformers' own.
-Ranks other than 0 also see a call's end up to 1 s late (they poll for it), so timed calls start
-after a barrier, as in a server whose generation loop never stops.
-Greedy tokens
-of "on" against "off": identical up to the first step where the model's two best logits are
-within bf16 rounding (arfusion.testing.greedy_departures).
+--repeats steady ones or twice as many were made. With TP, ranks other than 0 look for new requests
+every 0.1 s when idle (transformers' generation loop), and rank 0's first step waits for them: a
+call's TTFT and tokens/s then vary by up to 100 ms in either config, more than the pass changes.
+--idle-wait-ms (default 1) shortens that wait on every rank; 100 is transformers' own. Ranks other
+than 0 also see a call's end up to 1 s late (they poll for it), so timed calls start after a
+barrier, as in a server whose generation loop never stops. Greedy tokens of "on" against "off":
+identical up to the first step where the model's two best logits are within bf16 rounding
+(arfusion.testing.greedy_departures).
 
 --profile-host: one more call under cProfile (the generation thread's host time). --profile-kernels:
 one more call of the largest mix under torch.profiler (where the GPU time goes: attention, matmuls,
@@ -114,6 +114,27 @@ def shorten_idle_wait(seconds: float) -> None:
         self._wake_up_loop = ShortWait()
 
     continuous_api.ContinuousBatchingManager.__init__ = init
+
+
+def record_steps(into: list) -> None:
+    """From now on every step transformers' schedulers make appends (query tokens, decode fast path
+    or not) to `into`: how a call's requests were cut into steps (prefill steps' sizes decide what
+    the fused op can take)."""
+    from transformers.generation.continuous_batching import scheduler
+
+    for cls in scheduler.Scheduler.__subclasses__():
+        def recorded(self, *args, _made=cls.schedule_batch, **kwargs):
+            requests, fast_path, tokens, kv_read = made = _made(self, *args, **kwargs)
+            if requests:
+                into.append((int(tokens), bool(fast_path)))
+            return made
+
+        cls.schedule_batch = recorded
+
+
+def step_summary(steps: list) -> dict:
+    """{"decode_fast_path": steps on it, "varlen": query tokens of each other step, in order}."""
+    return {"decode_fast_path": sum(fast for _, fast in steps), "varlen": [t for t, fast in steps if not fast]}
 
 
 @contextlib.contextmanager
@@ -292,6 +313,8 @@ def main() -> int:
     import transformers
 
     shorten_idle_wait(args.idle_wait_ms / 1e3)
+    steps = []
+    record_steps(steps)
 
     cb = {"max_memory_percent": args.max_memory_percent} if cuda else {}
     if cuda:
@@ -328,10 +351,11 @@ def main() -> int:
                 # A rank other than 0 returns from a call up to 1 s after rank 0 (it polls for the end) and
                 # starts its loop only in the next; rank 0's new requests would wait for it: start together.
                 dist.barrier()
+                steps.clear()
                 run = generate_batch(model, prompts[requests], args.new, config=passes[name], cuda_graphs=graphs,
                                      record_timestamps=True, persistent=True, **cb)
                 runs[(name, requests)] = run
-                return dict(serving_metrics(run.outputs), seconds=run.seconds)
+                return dict(serving_metrics(run.outputs), seconds=run.seconds, steps=step_summary(steps))
 
             calls, excluded = steady_calls(call, args.repeats)
             row = result["mixes"].setdefault(str(requests), {})

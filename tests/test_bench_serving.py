@@ -94,6 +94,8 @@ def test_off_and_on_on_two_gloo_ranks(tmp_path):
         row = result["mixes"][requests]
         assert row["tokens"]["ok"] and row["on"]["new_tokens"] == 4 * int(requests)
         assert row["off"]["steady"] and len(row["on"]["calls"]) == 1 and "excluded_calls" in row["on"]
+        steps = row["on"]["calls"][0]["steps"]  # the prompts' tokens, then a step per further token
+        assert sum(steps["varlen"]) >= 16 * int(requests) and steps["decode_fast_path"] + len(steps["varlen"]) >= 4
     for name in ("off", "on"):  # --profile-kernels: where the time went, the generation thread's ops included
         kernels = result["configs"][name]["kernels"]
         assert len(kernels) == 10 and any(k["name"] == "aten::mm" for k in kernels), kernels
