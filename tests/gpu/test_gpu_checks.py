@@ -178,6 +178,18 @@ def test_fast_all_reduce(mode, launch):
     assert len(ranks) == 2 and not any(r["failures"] for r in ranks), [r["failures"] for r in ranks]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fallback_all_reduce(mode, launch):
+    """check_fallback_all_reduce.py: the fused op's unfused all-reduce (reduce-scatter + all-gather
+    from 16 MiB, an all-reduce of a copy below) equals an all-reduce, eagerly and replayed from a
+    CUDA graph on new inputs, and leaves its input as it was (fallbackar2 / fallbackar1shared)."""
+    done = launch(f"{GPU}/check_fallback_all_reduce.py", *shared(mode), "--out", "{out}", nproc=2,
+                  env={"CHECK_HANG_S": "300"}, timeout=300)
+    assert done.returncode == 0, done.tail()
+    ranks = done.json("fallback_all_reduce.json")
+    assert len(ranks) == 2 and all(r["ok"] for e in ranks for r in e["rows"]), ranks
+
+
 @needs(gpus=1, modules=("transformers",))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("graphs", [False, True], ids=["compiled", "cuda_graphs"])
