@@ -119,14 +119,16 @@ def shorten_idle_wait(seconds: float) -> None:
 def record_steps(into: list) -> None:
     """From now on every step transformers' schedulers make appends (query tokens, decode fast path
     or not) to `into`: how a call's requests were cut into steps (prefill steps' sizes decide what
-    the fused op can take)."""
-    from transformers.generation.continuous_batching import scheduler
-
+    the fused op can take). A transformers without that scheduler (before 5.24) records nothing."""
+    try:
+        from transformers.generation.continuous_batching import scheduler
+    except ImportError:
+        return
     for cls in scheduler.Scheduler.__subclasses__():
         def recorded(self, *args, _made=cls.schedule_batch, **kwargs):
-            requests, fast_path, tokens, kv_read = made = _made(self, *args, **kwargs)
-            if requests:
-                into.append((int(tokens), bool(fast_path)))
+            made = _made(self, *args, **kwargs)  # 5.24: (requests, decode fast path, query tokens, kv read)
+            if isinstance(made, tuple) and len(made) == 4 and made[0]:
+                into.append((int(made[2]), bool(made[1])))
             return made
 
         cls.schedule_batch = recorded
