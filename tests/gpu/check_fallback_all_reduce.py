@@ -6,7 +6,7 @@ and replayed from a CUDA graph with new inputs; the input left as it was; which 
 reduce-scatter + all-gather from `policy.OUT_OF_PLACE_MIN_BYTES` on, an all-reduce of a copy
 below). With NCCL (one GPU per rank) each is also timed in CUDA graphs against the copy + all-reduce
 and the in-place all-reduce a model's row-parallel output gets (`tuning.time_in_graph`, median
-us per call): informational, the pass's crossover is set from it. With --shared-gpu both ranks run
+us per call): informational, to set `policy.OUT_OF_PLACE_MIN_BYTES` from. With --shared-gpu both ranks run
 on GPU 0 over gloo (what is computed, not speed). Writes DIR/fallback_all_reduce.json.
 """
 
