@@ -117,26 +117,58 @@ def shorten_idle_wait(seconds: float) -> None:
 
 
 def record_steps(into: list) -> None:
-    """From now on every step transformers' schedulers make appends (query tokens, decode fast path
-    or not) to `into`: how a call's requests were cut into steps (prefill steps' sizes decide what
-    the fused op can take). A transformers without that scheduler (before 5.24) records nothing."""
+    """From now on every step transformers' schedulers make appends [query tokens, decode fast path
+    or not, device events] to `into`: how a call's requests were cut into steps (prefill steps'
+    sizes decide what the fused op can take) and, on a GPU, when each step's work began and ended
+    on the compute stream. A transformers without that scheduler (before 5.24) records nothing."""
     try:
-        from transformers.generation.continuous_batching import scheduler
+        from transformers.generation.continuous_batching import model_runner, scheduler
     except ImportError:
         return
     for cls in scheduler.Scheduler.__subclasses__():
         def recorded(self, *args, _made=cls.schedule_batch, **kwargs):
             made = _made(self, *args, **kwargs)  # 5.24: (requests, decode fast path, query tokens, kv read)
             if isinstance(made, tuple) and len(made) == 4 and made[0]:
-                into.append((int(made[2]), bool(made[1])))
+                into.append([int(made[2]), bool(made[1]), None])
             return made
 
         cls.schedule_batch = recorded
+    computed = model_runner.ModelRunner.compute_batch
+
+    def timed(self, model, batch_data, _made=computed):
+        stream = self.inputs_and_outputs.compute_stream
+        cuda = stream is not None and stream.device.type == "cuda"
+        start, end = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda
+                      else (None, None))
+        if cuda:
+            start.record(stream)
+        _made(self, model, batch_data)
+        if cuda:
+            end.record(stream)
+            if into and into[-1][2] is None:
+                into[-1][2] = (start, end)
+
+    model_runner.ModelRunner.compute_batch = timed
 
 
 def step_summary(steps: list) -> dict:
-    """{"decode_fast_path": steps on it, "varlen": query tokens of each other step, in order}."""
-    return {"decode_fast_path": sum(fast for _, fast in steps), "varlen": [t for t, fast in steps if not fast]}
+    """{"decode_fast_path": steps on it, "varlen": query tokens of each other step, in order}; on a
+    GPU also "device_ms": each varlen step's time on the compute stream ("varlen", in order), the
+    decode fast path's in all, and "idle", the time that stream waited between steps (the host
+    late with the next step), in all and in the steps up to the last varlen one ("idle_prefill")."""
+    summary = {"decode_fast_path": sum(fast for _, fast, _ in steps),
+               "varlen": [t for t, fast, _ in steps if not fast]}
+    timed = [s for s in steps if s[2] is not None]
+    if not timed:
+        return summary
+    torch.cuda.synchronize()
+    ms = [start.elapsed_time(end) for _, _, (start, end) in timed]
+    idle = [0.0] + [prev[2][1].elapsed_time(s[2][0]) for prev, s in zip(timed, timed[1:])]
+    last_varlen = max((i for i, s in enumerate(timed) if not s[1]), default=-1)
+    summary["device_ms"] = {"varlen": [round(m, 3) for m, s in zip(ms, timed) if not s[1]],
+                            "decode_fast_path": round(sum(m for m, s in zip(ms, timed) if s[1]), 3),
+                            "idle": round(sum(idle), 3), "idle_prefill": round(sum(idle[:last_varlen + 1]), 3)}
+    return summary
 
 
 @contextlib.contextmanager
