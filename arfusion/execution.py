@@ -14,8 +14,8 @@ from . import reference, stats
 from .backends import resolve
 from .core import PLAIN, Call, Form
 from .decisions import Reason, Why
-from .policy import (Caps, Route, compiles_fallback, current_stream_pays, moe_combine_refusal, out_of_place_pays,
-                     plain_refusal, route)
+from .policy import (Caps, Route, compiles_fallback, current_stream_pays, moe_combine_refusal, plain_refusal,
+                     route)
 from .runtime import capturing, compiled, group_size, log_once, outside_graph_pools, scalar_value
 
 EPS_IN_CAPTURE = Reason(Why.RUNTIME, "eps is a GPU tensor not read before this CUDA-graph capture")
@@ -34,16 +34,10 @@ def all_reduce_in_place(x: torch.Tensor, group_name: str) -> None:
 
 
 def all_reduce_on_current_stream(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of `x` over the group, as a new tensor, with NCCL on the caller's stream; x unchanged.
-    Large ones (`policy.out_of_place_pays`) reduce-scatter x into a slice and all-gather the slices
-    into the result, so x is never copied; others reduce a copy in place."""
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    if out_of_place_pays(x, group.size()):
-        part = x.new_empty(x.numel() // group.size())
-        dist.reduce_scatter_tensor(part, x.view(-1), group=group)
-        reduced = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dist.all_gather_into_tensor(reduced.view(-1), part, group=group)
-        return reduced
+    """Sum of `x` over the group, as a new tensor, with NCCL on the caller's stream; x unchanged
+    (a custom op may not overwrite its input), so a copy of it is reduced in place. A
+    reduce-scatter + all-gather into a new tensor avoids the copy but was slower on 2xH200 at 16
+    to 64 MiB per rank (docs/benchmarks.md, machine R)."""
     reduced = x.clone(memory_format=torch.contiguous_format)
     all_reduce_in_place(reduced, group_name)
     return reduced

@@ -103,22 +103,6 @@ def current_stream_pays(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-# From this many bytes per rank an unfused all-reduce that may not overwrite its input (a custom
-# op's) runs as a reduce-scatter into a slice and an all-gather into the result: NCCL's ring
-# all-reduce moves the same bytes, and the copy it would need first costs 35 us at 64 MiB and
-# 66 us at 128 MiB on H200 (bench_fused_op.py a - a0, 2026-11-28,
-# docs/data/matrix/raw_h200x4_f). Below it the copy is cheaper than a second collective's launch.
-# An estimate, not a measured crossover.
-OUT_OF_PLACE_MIN_BYTES = 16 << 20
-
-
-def out_of_place_pays(x: torch.Tensor, world: int) -> bool:
-    """Whether the sum of `x` over `world` ranks is made as a reduce-scatter + all-gather into a
-    new tensor rather than an all-reduce of a copy (dense x, its elements split evenly)."""
-    return (x.is_contiguous() and x.numel() % world == 0
-            and x.numel() * x.element_size() >= OUT_OF_PLACE_MIN_BYTES)
-
-
 def compiles_fallback(device: torch.device) -> bool:
     """Whether an unfused call runs the compiled unfused path (GPUs) or the eager reference."""
     return device.type == "cuda"

@@ -129,7 +129,7 @@ def record_steps(into: list) -> None:
         def recorded(self, *args, _made=cls.schedule_batch, **kwargs):
             made = _made(self, *args, **kwargs)  # 5.24: (requests, decode fast path, query tokens, kv read)
             if isinstance(made, tuple) and len(made) == 4 and made[0]:
-                into.append([int(made[2]), bool(made[1]), None])
+                into.append([int(made[2]), bool(made[1]), None, None])
             return made
 
         cls.schedule_batch = recorded
@@ -140,29 +140,35 @@ def record_steps(into: list) -> None:
         cuda = stream is not None and stream.device.type == "cuda"
         start, end = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda
                       else (None, None))
+        began = time.perf_counter()
         if cuda:
             start.record(stream)
         _made(self, model, batch_data)
         if cuda:
             end.record(stream)
-            if into and into[-1][2] is None:
-                into[-1][2] = (start, end)
+        if into and into[-1][3] is None:
+            into[-1][2:] = [(start, end) if cuda else None, (began, time.perf_counter())]
 
     model_runner.ModelRunner.compute_batch = timed
 
 
-def step_summary(steps: list) -> dict:
-    """{"decode_fast_path": steps on it, "varlen": query tokens of each other step, in order}; on a
-    GPU also "device_ms": each varlen step's time on the compute stream ("varlen", in order), the
-    decode fast path's in all, and "idle", the time that stream waited between steps (the host
-    late with the next step), in all and in the steps up to the last varlen one ("idle_prefill")."""
-    summary = {"decode_fast_path": sum(fast for _, fast, _ in steps),
-               "varlen": [t for t, fast, _ in steps if not fast]}
+def step_summary(steps: list, admitted: float | None = None) -> dict:
+    """{"decode_fast_path": steps on it, "varlen": query tokens of each other step, in order}; from
+    the host's clock "host_ms": when each varlen step's launch began, from `admitted` (the call's
+    first request), and how long its launch took; on a GPU also "device_ms": each varlen step's
+    time on the compute stream ("varlen", in order), the decode fast path's in all, and "idle",
+    the time that stream waited between steps (the host late with the next step), in all and in
+    the steps up to the last varlen one ("idle_prefill")."""
+    summary = {"decode_fast_path": sum(s[1] for s in steps), "varlen": [s[0] for s in steps if not s[1]]}
+    hosted = [s for s in steps if s[3] is not None and not s[1]]
+    if hosted and admitted is not None:
+        summary["host_ms"] = {"began": [round(1e3 * (s[3][0] - admitted), 3) for s in hosted],
+                              "launch": [round(1e3 * (s[3][1] - s[3][0]), 3) for s in hosted]}
     timed = [s for s in steps if s[2] is not None]
     if not timed:
         return summary
     torch.cuda.synchronize()
-    ms = [start.elapsed_time(end) for _, _, (start, end) in timed]
+    ms = [s[2][0].elapsed_time(s[2][1]) for s in timed]
     idle = [0.0] + [prev[2][1].elapsed_time(s[2][0]) for prev, s in zip(timed, timed[1:])]
     last_varlen = max((i for i, s in enumerate(timed) if not s[1]), default=-1)
     summary["device_ms"] = {"varlen": [round(m, 3) for m, s in zip(ms, timed) if not s[1]],
@@ -237,16 +243,19 @@ def host_profile(path: Path):
 
 
 @contextlib.contextmanager
-def kernel_profile(path: Path, device: torch.device, into: dict):
+def kernel_profile(path: Path, device: torch.device, into: dict, trace: Path | None = None):
     """torch.profiler over the calls inside: what ran on the device (CUDA kernels, also inside
     transformers' CUDA graphs; on CPU, the ops of every thread) by own time. The top 80 go to
-    `path` as a table, the top 10 into `into["kernels"]` with their share of the total."""
+    `path` as a table, the top 10 into `into["kernels"]` with their share of the total. With
+    `trace`, the host's ops too, and the timeline of both goes there (Chrome trace, gzipped)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if trace is not None and cuda:
+        activities.append(ProfilerActivity.CPU)
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)  # the generation thread's ops
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU],
-                 experimental_config=config) as prof:
+    with profile(activities=activities, experimental_config=config) as prof:
         yield
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -256,6 +265,15 @@ def kernel_profile(path: Path, device: torch.device, into: dict):
                         "share": round(getattr(e, key) / total, 4)} for e in top[:10]]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(events.table(sort_by=key, row_limit=80))
+    if trace is not None:
+        import gzip
+        import shutil
+
+        plain = trace.with_suffix("")
+        prof.export_chrome_trace(str(plain))
+        with open(plain, "rb") as f, gzip.open(trace, "wb") as g:
+            shutil.copyfileobj(f, g)
+        plain.unlink()
 
 
 def prompts_for(requests: int, length: int, vocab: int) -> list[list[int]]:
@@ -317,6 +335,8 @@ def main() -> int:
     p.add_argument("--profile-kernels", action="store_true",
                    help="one more call of the largest mix per config under torch.profiler: where the device time "
                         "goes (kernels_CONFIG_rankR.txt; the top 10 in the JSON)")
+    p.add_argument("--trace", action="store_true",
+                   help="with --profile-kernels: the host's ops too, and the call's timeline (trace_CONFIG_rankR.json.gz)")
     p.add_argument("--idle-wait-ms", type=float, default=1.0,
                    help="longest wait of an idle generation loop for new requests (100: transformers' own)")
     p.add_argument("--ckpt-dir", default=None)
@@ -389,7 +409,10 @@ def main() -> int:
                 run = generate_batch(model, prompts[requests], args.new, config=passes[name], cuda_graphs=graphs,
                                      record_timestamps=True, persistent=True, **cb)
                 runs[(name, requests)] = run
-                return dict(serving_metrics(run.outputs), seconds=run.seconds, steps=step_summary(steps))
+                admitted = min(o.created_time for o in run.outputs.values())
+                firsts = sorted({round(1e3 * (o.timestamps[0] - admitted), 1) for o in run.outputs.values() if o.timestamps})
+                return dict(serving_metrics(run.outputs), seconds=run.seconds, first_tokens_ms=firsts,
+                            steps=step_summary(steps, admitted))
 
             calls, excluded = steady_calls(call, args.repeats)
             row = result["mixes"].setdefault(str(requests), {})
@@ -408,7 +431,8 @@ def main() -> int:
         if args.profile_kernels:
             if rank == 0:  # the timed rows first: a profiled call that never returns keeps them
                 save_json(str(out), result)
-            with kernel_profile(Path(args.out, f"kernels_{name}_rank{rank}.txt"), device, profiled):
+            trace = Path(args.out, f"trace_{name}_rank{rank}.json.gz") if args.trace else None
+            with kernel_profile(Path(args.out, f"kernels_{name}_rank{rank}.txt"), device, profiled, trace):
                 generate_batch(model, prompts[max(mixes)], args.new, config=passes[name], cuda_graphs=graphs,
                                record_timestamps=True, persistent=True, **cb)
         model.destroy_cached_continuous_batching_manager()

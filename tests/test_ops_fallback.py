@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
-from arfusion import execution, policy, reference, runtime
+from arfusion import execution, reference, runtime
 from arfusion.core import Form
 from arfusion.policy import Caps
 from .helpers import run_workers
@@ -57,37 +57,29 @@ def test_gpu_fallback_is_all_reduce_plus_compiled_norm(world_of_one, monkeypatch
 
 
 def _sums_without_touching_the_input(rank):
-    """On each rank: a large x (threshold lowered) is summed by reduce-scatter + all-gather, never
-    copied; an x whose elements do not split evenly, or a strided one, by an all-reduce of a copy."""
+    """On each rank: x, dense or strided, is summed over the group into a new dense tensor by one
+    all-reduce (of a copy); x is left as it was."""
     import torch.distributed as dist
 
     group = dist.group.WORLD.group_name
     collectives = []
-    real_rs, real_ar = dist.reduce_scatter_tensor, dist.all_reduce
-    dist.reduce_scatter_tensor = lambda *a, **k: collectives.append("rs") or real_rs(*a, **k)
+    real_ar = dist.all_reduce
     dist.all_reduce = lambda *a, **k: collectives.append("ar") or real_ar(*a, **k)
-    threshold, policy.OUT_OF_PLACE_MIN_BYTES = policy.OUT_OF_PLACE_MIN_BYTES, 0
     try:
-        for x, way in ((torch.arange(24.0).reshape(4, 6) + 100 * rank, "rs"),
-                       (torch.arange(15.0).reshape(3, 5) + 100 * rank, "ar"),  # 15 elements over 2 ranks
-                       ((torch.arange(24.0).reshape(4, 6) + 100 * rank).t(), "ar")):  # strided
+        for x in (torch.arange(24.0).reshape(4, 6) + 100 * rank,
+                  (torch.arange(24.0).reshape(4, 6) + 100 * rank).t()):  # strided
             before = x.clone()
             collectives.clear()
             got = execution.all_reduce_on_current_stream(x, group)
             want = 2 * (before - 100 * rank) + 100  # x0 + x1
-            assert torch.equal(got, want) and got.is_contiguous() and collectives == [way], (way, collectives)
+            assert torch.equal(got, want) and got.is_contiguous() and collectives == ["ar"], collectives
             assert torch.equal(x, before)
-        policy.OUT_OF_PLACE_MIN_BYTES = threshold  # as shipped: 96 bytes are far below it
-        collectives.clear()
-        execution.all_reduce_on_current_stream(torch.ones(4, 6), group)
-        assert collectives == ["ar"]
     finally:
-        policy.OUT_OF_PLACE_MIN_BYTES = threshold
-        dist.reduce_scatter_tensor, dist.all_reduce = real_rs, real_ar
+        dist.all_reduce = real_ar
 
 
 @pytest.mark.multiproc
-def test_a_large_unfused_all_reduce_does_not_copy_its_input():
+def test_the_unfused_all_reduce_leaves_its_input():
     run_workers(_sums_without_touching_the_input, 2)
 
 

@@ -2,12 +2,11 @@
 
 `torchrun --nproc-per-node 2 tests/gpu/check_fallback_all_reduce.py --out DIR [--shared-gpu]`: per
 size (bf16, hidden 4096, 1 to 64 MiB per rank), the sum against an all-reduce of a copy, eagerly
-and replayed from a CUDA graph with new inputs; the input left as it was; which way it took (a
-reduce-scatter + all-gather from `policy.OUT_OF_PLACE_MIN_BYTES` on, an all-reduce of a copy
-below). With NCCL (one GPU per rank) each is also timed in CUDA graphs against the copy + all-reduce
-and the in-place all-reduce a model's row-parallel output gets (`tuning.time_in_graph`, median
-us per call): informational, to set `policy.OUT_OF_PLACE_MIN_BYTES` from. With --shared-gpu both ranks run
-on GPU 0 over gloo (what is computed, not speed). Writes DIR/fallback_all_reduce.json.
+and replayed from a CUDA graph with new inputs, and the input left as it was. With NCCL (one GPU
+per rank) it is also timed in CUDA graphs against the in-place all-reduce a model's row-parallel
+output gets without the pass (`tuning.time_in_graph`, median us per call; the difference is the
+copy). With --shared-gpu both ranks run on GPU 0 over gloo (what is computed, not speed). Writes
+DIR/fallback_all_reduce.json.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shared_gpu  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from arfusion import execution, policy, tuning  # noqa: E402
+from arfusion import execution, tuning  # noqa: E402
 
 HIDDEN = 4096
 MIB = [1, 8, 16, 32, 64]
@@ -42,12 +41,11 @@ def check(mib: int, device: torch.device, rank: int, group_name: str, nccl: bool
         dist.all_reduce(y)
         return y
 
-    row = {"mib": mib, "tokens": tokens, "out_of_place": policy.out_of_place_pays(x, dist.get_world_size())}
+    row = {"mib": mib, "tokens": tokens}
     got, want = execution.all_reduce_on_current_stream(x, group_name), by_copy()
     row["eager_equal"] = bool(torch.equal(got, want))
     row["input_unchanged"] = bool(torch.equal(x, before))
-    row["ok"] = row["eager_equal"] and row["input_unchanged"] and (
-        row["out_of_place"] == (mib * 2**20 >= policy.OUT_OF_PLACE_MIN_BYTES))
+    row["ok"] = row["eager_equal"] and row["input_unchanged"]
     if not nccl:  # gloo collectives cannot be captured
         return row
     # Captured once, replayed on new inputs: the graph must read x anew and write a fresh sum.
@@ -69,7 +67,6 @@ def check(mib: int, device: torch.device, rank: int, group_name: str, nccl: bool
     x.mul_(2.0)
     row["ok"] = row["ok"] and row["graph_equal"] and bool(torch.equal(x, before))
     inplace = x.clone()
-    row["copy_all_reduce_us"] = tuning.time_in_graph(by_copy, dist.group.WORLD, 20, 20)
     row["fallback_us"] = tuning.time_in_graph(lambda: execution.all_reduce_on_current_stream(x, group_name),
                                               dist.group.WORLD, 20, 20)
     row["in_place_us"] = tuning.time_in_graph(lambda: dist.all_reduce(inplace), dist.group.WORLD, 20, 20)

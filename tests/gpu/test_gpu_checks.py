@@ -180,9 +180,9 @@ def test_fast_all_reduce(mode, launch):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fallback_all_reduce(mode, launch):
-    """check_fallback_all_reduce.py: the fused op's unfused all-reduce (reduce-scatter + all-gather
-    from 16 MiB, an all-reduce of a copy below) equals an all-reduce, eagerly and replayed from a
-    CUDA graph on new inputs, and leaves its input as it was (fallbackar2 / fallbackar1shared)."""
+    """check_fallback_all_reduce.py: the fused op's unfused all-reduce equals an all-reduce, eagerly
+    and replayed from a CUDA graph on new inputs, and leaves its input as it was (fallbackar2 /
+    fallbackar1shared)."""
     done = launch(f"{GPU}/check_fallback_all_reduce.py", *shared(mode), "--out", "{out}", nproc=2,
                   env={"CHECK_HANG_S": "300"}, timeout=300)
     assert done.returncode == 0, done.tail()
