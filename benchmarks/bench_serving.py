@@ -10,8 +10,9 @@ A model built from a config (Llama-3-8B shape by default, or Qwen3-30B-A3B: --mo
 qwen3_moe; benchmarks/decode_model.py's presets), random bf16 weights, loaded with
 `tp_plan="auto"` and `arfusion.hf.prepare_for_compile`. For each batch mix (--mixes: 1 request;
 16 and 64 concurrent requests; each request --prompt prompt tokens and --new output tokens,
-greedy) and each config, "off" (the varlen and decode paths compiled by Inductor alone) and "on"
-(the same with the pass), side by side in one run. Per config one manager serves every call, as
+greedy; new random prompts for every call, the same in every config) and each config, "off" (the
+varlen and decode paths compiled by Inductor alone) and "on" (the same with the pass), side by
+side in one run. Per config one manager serves every call, as
 a server keeps one (`persistent_manager`): a first call of the largest mix compiles, captures
 transformers' CUDA graphs and sizes the cache, then each mix runs --repeats timed calls that
 reuse them. transformers' own CUDA graphs are on (--no-cuda-graphs turns them off).
@@ -70,6 +71,7 @@ from arfusion.hf import prepare_for_compile, tp_kwargs  # noqa: E402
 from arfusion.testing import fake_gloo_groups, generate_batch, greedy_departures  # noqa: E402
 
 CONFIGS = ("off", "on")
+PROFILED = 999  # the profiled calls' prompts (`prompts_for`'s call): new ones, as every timed call's
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -276,8 +278,11 @@ def kernel_profile(path: Path, device: torch.device, into: dict, trace: Path | N
         plain.unlink()
 
 
-def prompts_for(requests: int, length: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(requests)
+def prompts_for(requests: int, length: int, vocab: int, call: int = 0) -> list[list[int]]:
+    """`requests` random prompts, new for each `call` (the same in every config): transformers shares
+    KV blocks between requests with a common prefix, so a call repeating an earlier call's prompts
+    would find much of their prefill done (seen: 16,479 of 32,768 prompt tokens prefilled)."""
+    g = torch.Generator().manual_seed(1000 * requests + call)
     return torch.randint(3, vocab, (requests, length), generator=g).tolist()
 
 
@@ -336,7 +341,8 @@ def main() -> int:
                    help="one more call of the largest mix per config under torch.profiler: where the device time "
                         "goes (kernels_CONFIG_rankR.txt; the top 10 in the JSON)")
     p.add_argument("--trace", action="store_true",
-                   help="with --profile-kernels: the host's ops too, and the call's timeline (trace_CONFIG_rankR.json.gz)")
+                   help="with --profile-kernels: the host's ops too, and the call's timeline "
+                        "(trace_CONFIG_rankR.json.gz)")
     p.add_argument("--idle-wait-ms", type=float, default=1.0,
                    help="longest wait of an idle generation loop for new requests (100: transformers' own)")
     p.add_argument("--ckpt-dir", default=None)
@@ -389,7 +395,10 @@ def main() -> int:
                          f"{'_shared' if args.shared_gpu else ''}.json")
     passes = {"off": None, "on": arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend)}
     mixes = [int(m) for m in args.mixes.split(",")]
-    prompts = {n: prompts_for(n, args.prompt, config.vocab_size) for n in mixes}
+
+    def prompts(requests: int, call: int = 0) -> list[list[int]]:
+        return prompts_for(requests, args.prompt, config.vocab_size, call)
+
     runs = {}
     for name in args.configs.split(","):
         # Over gloo (--shared-gpu) Inductor alone leaves gloo all-reduces, which cannot be captured.
@@ -397,20 +406,24 @@ def main() -> int:
         arfusion.reset_stats()
         # One manager per config, kept across calls as a server keeps it: the first call (the largest
         # mix) compiles, captures and sizes it; the timed calls reuse its graphs and cache.
-        first = generate_batch(model, prompts[max(mixes)], args.new, config=passes[name], cuda_graphs=graphs,
+        first = generate_batch(model, prompts(max(mixes)), args.new, config=passes[name], cuda_graphs=graphs,
                                record_timestamps=True, persistent=True, **cb)
         say(f"{name}: first call (compile, CUDA-graph capture, {max(mixes)} requests) {first.seconds:.1f}s")
         for requests in mixes:
+            made = iter(range(1, 1000))
+
             def call(requests=requests):
                 # A rank other than 0 returns from a call up to 1 s after rank 0 (it polls for the end) and
                 # starts its loop only in the next; rank 0's new requests would wait for it: start together.
                 dist.barrier()
                 steps.clear()
-                run = generate_batch(model, prompts[requests], args.new, config=passes[name], cuda_graphs=graphs,
-                                     record_timestamps=True, persistent=True, **cb)
-                runs[(name, requests)] = run
+                index = next(made)
+                run = generate_batch(model, prompts(requests, index), args.new, config=passes[name],
+                                     cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
+                runs.setdefault((name, requests), run)  # each config's first: the same prompts
                 admitted = min(o.created_time for o in run.outputs.values())
-                firsts = sorted({round(1e3 * (o.timestamps[0] - admitted), 1) for o in run.outputs.values() if o.timestamps})
+                firsts = sorted({round(1e3 * (o.timestamps[0] - admitted), 1)
+                                 for o in run.outputs.values() if o.timestamps})
                 return dict(serving_metrics(run.outputs), seconds=run.seconds, first_tokens_ms=firsts,
                             steps=step_summary(steps, admitted))
 
@@ -425,16 +438,16 @@ def main() -> int:
                 + f" ({len(calls)} steady calls, {len(excluded)} excluded: graphs captured or compiled)")
         if args.profile_host:
             with host_profile(Path(args.out, f"host_profile_{name}_rank{rank}.txt")):
-                generate_batch(model, prompts[min(mixes)], args.new, config=passes[name], cuda_graphs=graphs,
-                               record_timestamps=True, persistent=True, **cb)
+                generate_batch(model, prompts(min(mixes), PROFILED), args.new, config=passes[name],
+                               cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
         profiled = {}
         if args.profile_kernels:
             if rank == 0:  # the timed rows first: a profiled call that never returns keeps them
                 save_json(str(out), result)
             trace = Path(args.out, f"trace_{name}_rank{rank}.json.gz") if args.trace else None
             with kernel_profile(Path(args.out, f"kernels_{name}_rank{rank}.txt"), device, profiled, trace):
-                generate_batch(model, prompts[max(mixes)], args.new, config=passes[name], cuda_graphs=graphs,
-                               record_timestamps=True, persistent=True, **cb)
+                generate_batch(model, prompts(max(mixes), PROFILED), args.new, config=passes[name],
+                               cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
         model.destroy_cached_continuous_batching_manager()
         # Its CUDA-graph pool goes now, not in a garbage collection during the next capture (torch 2.11 aborts).
         gc.collect()
@@ -448,7 +461,7 @@ def main() -> int:
     for requests in mixes:
         row = result["mixes"][str(requests)]
         if ("off", requests) in runs and ("on", requests) in runs:
-            departures = greedy_departures(model, prompts[requests], runs[("off", requests)], runs[("on", requests)])
+            departures = greedy_departures(model, prompts(requests, 1), runs[("off", requests)], runs[("on", requests)])
             row["tokens"] = {"ok": all(d["ok"] for d in departures),
                              "departures": [d for d in departures if d["departs_at"] is not None]}
             row["on_over_off"] = {k: row["on"][k] / row["off"][k] for k in ("ttft_ms", "itl_ms", "tokens_per_s")}

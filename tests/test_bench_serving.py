@@ -20,6 +20,14 @@ import bench_serving  # noqa: E402
 sys.path.remove(str(ROOT / "benchmarks"))
 
 
+def test_every_call_gets_new_prompts_the_same_in_every_config():
+    # transformers shares KV blocks of a common prefix: a call repeating an earlier one's prompts
+    # would skip much of its prefill
+    a, b = bench_serving.prompts_for(4, 32, 1000, 1), bench_serving.prompts_for(4, 32, 1000, 2)
+    assert a == bench_serving.prompts_for(4, 32, 1000, 1) and len(a) == 4 and len(a[0]) == 32
+    assert not {tuple(p) for p in a} & {tuple(p) for p in b}
+
+
 def test_metrics_from_timestamps():
     out = lambda created, stamps: types.SimpleNamespace(created_time=created, timestamps=stamps,  # noqa: E731
                                                         generated_tokens=[0] * len(stamps))
