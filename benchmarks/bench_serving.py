@@ -21,7 +21,9 @@ Per call, from transformers' per-token timestamps (`record_timestamps`): time to
 the request's admission), inter-token latency (median and p90 over every gap of every request), and
 output tokens per second (all new tokens over the first admission to the last token); and how the
 scheduler cut it into steps (each varlen step's query tokens, and the number of decode fast-path
-steps). The table holds the medians over the timed calls and the ratio on / off. A timed call in
+steps), when each varlen step was launched, each step's time on the GPU and the GPU's idle time
+between steps (`steps`), each distinct first-token time (`first_tokens_ms`) and Python's garbage
+collections (`gc`): where a call's time went, on the host or on the GPU. The table holds the medians over the timed calls and the ratio on / off. A timed call in
 which transformers captured a CUDA graph (it records one per new padded size, also after the first
 call) or Dynamo compiled is excluded and kept apart (`excluded_calls`); calls are made until
 --repeats steady ones or twice as many were made. With TP, ranks other than 0 look for new requests
@@ -177,6 +179,30 @@ def step_summary(steps: list, admitted: float | None = None) -> dict:
                             "decode_fast_path": round(sum(m for m, s in zip(ms, timed) if s[1]), 3),
                             "idle": round(sum(idle), 3), "idle_prefill": round(sum(idle[:last_varlen + 1]), 3)}
     return summary
+
+
+class GcPauses:
+    """Python's garbage collections while installed (any thread): how many, of which generation 2,
+    and their time in all; a host pause is a gap the GPU may wait through."""
+
+    def __init__(self):
+        self.reset()
+        gc.callbacks.append(self._seen)
+
+    def reset(self) -> None:
+        self.ms, self.count, self.full, self._began = 0.0, 0, 0, None
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.ms += 1e3 * (time.perf_counter() - self._began)
+            self.count += 1
+            self.full += info.get("generation") == 2
+            self._began = None
+
+    def summary(self) -> dict:
+        return {"ms": round(self.ms, 3), "collections": self.count, "full": self.full}
 
 
 @contextlib.contextmanager
@@ -375,6 +401,7 @@ def main() -> int:
     shorten_idle_wait(args.idle_wait_ms / 1e3)
     steps = []
     record_steps(steps)
+    pauses = GcPauses()
 
     cb = {"max_memory_percent": args.max_memory_percent} if cuda else {}
     if cuda:
@@ -417,6 +444,7 @@ def main() -> int:
                 # starts its loop only in the next; rank 0's new requests would wait for it: start together.
                 dist.barrier()
                 steps.clear()
+                pauses.reset()
                 index = next(made)
                 run = generate_batch(model, prompts(requests, index), args.new, config=passes[name],
                                      cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
@@ -425,7 +453,7 @@ def main() -> int:
                 firsts = sorted({round(1e3 * (o.timestamps[0] - admitted), 1)
                                  for o in run.outputs.values() if o.timestamps})
                 return dict(serving_metrics(run.outputs), seconds=run.seconds, first_tokens_ms=firsts,
-                            steps=step_summary(steps, admitted))
+                            steps=step_summary(steps, admitted), gc=pauses.summary())
 
             calls, excluded = steady_calls(call, args.repeats)
             row = result["mixes"].setdefault(str(requests), {})
