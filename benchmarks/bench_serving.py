@@ -280,10 +280,12 @@ def main() -> int:
                                      cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
                 runs.setdefault((name, requests), run)  # each config's first: the same prompts
                 admitted = min(o.created_time for o in run.outputs.values())
+                last = max((o.timestamps or [admitted])[-1] for o in run.outputs.values())
                 firsts = sorted({round(1e3 * (o.timestamps[0] - admitted), 1)
                                  for o in run.outputs.values() if o.timestamps})
                 return dict(serving_metrics(run.outputs), seconds=run.seconds, first_tokens_ms=firsts,
-                            steps=step_summary(steps, admitted), gc=pauses.summary())
+                            steps=step_summary(steps, admitted),
+                            gc=pauses.summary(admitted, last))
 
             calls, excluded = steady_calls(call, args.repeats)
             row = result["mixes"].setdefault(str(requests), {})

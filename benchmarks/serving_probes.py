@@ -77,27 +77,30 @@ def step_summary(steps: list, admitted: float | None = None) -> dict:
 
 
 class GcPauses:
-    """Python's garbage collections while installed (any thread): how many, of which generation 2,
-    and their time in all; a host pause is a gap the GPU may wait through."""
+    """Python's garbage collections while installed (any thread): when each began, how long it
+    took, its generation. A pause holds the host's generation loop: a gap the GPU may wait through."""
 
     def __init__(self):
         self.reset()
         gc.callbacks.append(self._seen)
 
     def reset(self) -> None:
-        self.ms, self.count, self.full, self._began = 0.0, 0, 0, None
+        self.seen, self._began = [], None
 
     def _seen(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._began = time.perf_counter()
         elif self._began is not None:
-            self.ms += 1e3 * (time.perf_counter() - self._began)
-            self.count += 1
-            self.full += info.get("generation") == 2
+            self.seen.append((self._began, time.perf_counter() - self._began, info.get("generation")))
             self._began = None
 
-    def summary(self) -> dict:
-        return {"ms": round(self.ms, 3), "collections": self.count, "full": self.full}
+    def summary(self, begin: float, end: float) -> dict:
+        """In all, and inside [begin, end] (a call's first admission to its last token): how many,
+        how many of generation 2, their ms; and each one inside as [ms from begin, ms, generation]."""
+        inside = [(t, d, g) for t, d, g in self.seen if begin <= t <= end]
+        return {"ms": round(1e3 * sum(d for _, d, _ in self.seen), 3), "collections": len(self.seen),
+                "full": sum(g == 2 for *_, g in self.seen),
+                "in_call": [[round(1e3 * (t - begin), 2), round(1e3 * d, 2), g] for t, d, g in inside]}
 
 
 @contextlib.contextmanager
