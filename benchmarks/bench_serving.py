@@ -58,6 +58,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -296,6 +297,7 @@ def main() -> int:
             say(f"{requests} requests, {name}: " + ", ".join(f"{k} {row[name][k]:.3g}" for k in
                                                              ("ttft_ms", "itl_ms", "itl_p90_ms", "tokens_per_s"))
                 + f" ({len(calls)} steady calls, {len(excluded)} excluded: graphs captured or compiled)")
+        threads = sorted(t.name for t in threading.enumerate())  # while the manager serves: its and others'
         if args.profile_host:
             with host_profile(Path(args.out, f"host_profile_{name}_rank{rank}.txt")):
                 generate_batch(model, prompts(min(mixes), PROFILED), args.new, config=passes[name],
@@ -315,7 +317,7 @@ def main() -> int:
         result["configs"][name] = {"first_call_s": first.seconds, "fused_sites": stats["fused_sites"],
                                    "dispatch": stats["dispatch"], "dispatch_in_cuda_graphs": stats["dispatch_in_cuda_graphs"],
                                    "split_by_graph_breaks": stats["split_by_graph_breaks"], "graphs": stats["graphs"],
-                                   **profiled}
+                                   "python_threads": threads, **profiled}
         if rank == 0:
             save_json(str(out), result)
     for requests in mixes:
