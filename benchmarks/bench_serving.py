@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import logging
 import os
@@ -85,10 +86,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def call_window(outputs: dict) -> tuple[float, float]:
+    """(first admission, last token) of one generate_batch call, over its requests with tokens."""
+    stamped = [o for o in outputs.values() if o.timestamps]
+    return min(o.created_time for o in stamped), max(o.timestamps[-1] for o in stamped)
+
+
 def serving_metrics(outputs: dict) -> dict:
-    """TTFT, ITL and throughput of one generate_batch call, from its per-token timestamps."""
+    """TTFT, ITL and throughput of one generate_batch call, from its per-token timestamps, and each
+    distinct first-token time from the first admission (`first_tokens_ms`)."""
     ttft, gaps, tokens = [], [], 0
-    starts, ends = [], []
+    admitted, last = call_window(outputs)
+    firsts = set()
     for out in outputs.values():
         stamps = out.timestamps or []
         if not stamps:
@@ -96,11 +105,10 @@ def serving_metrics(outputs: dict) -> dict:
         ttft.append(stamps[0] - out.created_time)
         gaps += [b - a for a, b in zip(stamps, stamps[1:])]
         tokens += len(out.generated_tokens)
-        starts.append(out.created_time)
-        ends.append(stamps[-1])
-    span = max(ends) - min(starts)
+        firsts.add(round(1e3 * (stamps[0] - admitted), 1))
     return {"ttft_ms": 1e3 * statistics.median(ttft), "itl_ms": 1e3 * statistics.median(gaps),
-            "itl_p90_ms": 1e3 * percentile(gaps, 0.9), "tokens_per_s": tokens / span, "new_tokens": tokens}
+            "itl_p90_ms": 1e3 * percentile(gaps, 0.9), "tokens_per_s": tokens / (last - admitted),
+            "new_tokens": tokens, "first_tokens_ms": sorted(firsts)}
 
 
 def shorten_idle_wait(seconds: float) -> None:
@@ -268,7 +276,7 @@ def main() -> int:
                                record_timestamps=True, persistent=True, **cb)
         say(f"{name}: first call (compile, CUDA-graph capture, {max(mixes)} requests) {first.seconds:.1f}s")
         for requests in mixes:
-            made = iter(range(1, 1000))
+            made = itertools.count(1)  # each timed call's prompts (`prompts_for`'s call)
 
             def call(requests=requests):
                 # A rank other than 0 returns from a call up to 1 s after rank 0 (it polls for the end) and
@@ -280,12 +288,8 @@ def main() -> int:
                 run = generate_batch(model, prompts(requests, index), args.new, config=passes[name],
                                      cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
                 runs.setdefault((name, requests), run)  # each config's first: the same prompts
-                admitted = min(o.created_time for o in run.outputs.values())
-                last = max((o.timestamps or [admitted])[-1] for o in run.outputs.values())
-                firsts = sorted({round(1e3 * (o.timestamps[0] - admitted), 1)
-                                 for o in run.outputs.values() if o.timestamps})
-                return dict(serving_metrics(run.outputs), seconds=run.seconds, first_tokens_ms=firsts,
-                            steps=step_summary(steps, admitted),
+                admitted, last = call_window(run.outputs)
+                return dict(serving_metrics(run.outputs), seconds=run.seconds, steps=step_summary(steps, admitted),
                             gc=pauses.summary(admitted, last))
 
             calls, excluded = steady_calls(call, args.repeats)
@@ -297,7 +301,7 @@ def main() -> int:
             say(f"{requests} requests, {name}: " + ", ".join(f"{k} {row[name][k]:.3g}" for k in
                                                              ("ttft_ms", "itl_ms", "itl_p90_ms", "tokens_per_s"))
                 + f" ({len(calls)} steady calls, {len(excluded)} excluded: graphs captured or compiled)")
-        threads = sorted(t.name for t in threading.enumerate())  # while the manager serves: its and others'
+        threads = sorted(t.name for t in threading.enumerate())  # after the timed calls, the manager kept
         if args.profile_host:
             with host_profile(Path(args.out, f"host_profile_{name}_rank{rank}.txt")):
                 generate_batch(model, prompts(min(mixes), PROFILED), args.new, config=passes[name],

@@ -35,6 +35,7 @@ def test_metrics_from_timestamps():
     assert m["ttft_ms"] == pytest.approx(125)  # median of 100 and 150
     assert m["itl_ms"] == pytest.approx(20) and m["itl_p90_ms"] == pytest.approx(30)
     assert m["tokens_per_s"] == pytest.approx(5 / 0.23) and m["new_tokens"] == 5
+    assert m["first_tokens_ms"] == [100.0, 200.0]  # from the first admission
 
 
 def test_calls_that_capture_or_compile_are_excluded_and_counted(monkeypatch):
