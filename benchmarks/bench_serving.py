@@ -45,7 +45,10 @@ copies, all-reduces), after the timed rows are saved.
 the pass runs its torch backend (FlashInfer needs peers). --shared-gpu: torchrun 2, both ranks on
 GPU 0 over gloo with FlashInfer (tests/gpu/shared_gpu.py; the ranks take turns: correctness and
 dispatch, not speed; the LM head is replicated and "off" runs without CUDA graphs, since gloo
-collectives cannot be captured).
+collectives cannot be captured). --above-cap: "on" caps the fused kernel and the fast all-reduce at
+one byte, so every call runs the op's run-time fallback (all-reduce, then the compiled norm), the
+path of every prefill step above the kernel's cap; with --fake-world it keeps the real backend, so
+one GPU times that path's host and device work against "off" (the all-reduces, nothing in both).
 """
 
 from __future__ import annotations
@@ -199,6 +202,8 @@ def main() -> int:
     p.add_argument("--backend", default="auto")
     p.add_argument("--fake-world", type=int, default=0, metavar="N")
     p.add_argument("--shared-gpu", action="store_true")
+    p.add_argument("--above-cap", action="store_true",
+                   help="every call of the pass's ops above its cap: the run-time fallback (see above)")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--profile-host", action="store_true",
                    help="one more call of the smallest mix per config under cProfile (host_profile_CONFIG_rankR.txt)")
@@ -233,7 +238,7 @@ def main() -> int:
     torch._dynamo.config.recompile_limit = 64  # varlen shapes, off and on share the forward's code
     torch._dynamo.config.accumulated_recompile_limit = 1024
     say = print if rank == 0 else (lambda *a, **k: None)
-    backend = "torch" if (args.fake_world or not cuda) else args.backend
+    backend = args.backend if cuda and (args.above_cap or not args.fake_world) else "torch"
     config, model, prepared = load(args, device)
     import transformers
 
@@ -253,13 +258,15 @@ def main() -> int:
                        "layers": config.num_hidden_layers, "hidden": config.hidden_size, "world": world,
                        "fake_world": args.fake_world, "shared_gpu": args.shared_gpu, "cuda_graphs": args.cuda_graphs,
                        "prompt": args.prompt, "new": args.new, "backend": backend, "prepared": prepared,
-                       "kv_padding": args.kv_padding or None, "attn": args.attn,
+                       "kv_padding": args.kv_padding or None, "attn": args.attn, "above_cap": args.above_cap,
                        "idle_wait_ms": args.idle_wait_ms,
                        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
                        "transformers": transformers.__version__}, "configs": {}, "mixes": {}}
     out = Path(args.out, f"serving_{config.model_type}_w{world}{'_fake' if args.fake_world else ''}"
                          f"{'_shared' if args.shared_gpu else ''}.json")
-    passes = {"off": None, "on": arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend)}
+    one_byte = {world: 1 / 2**20} if args.above_cap else {}
+    passes = {"off": None, "on": arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend,
+                                                     max_size_mb=one_byte, plain_max_size_mb=one_byte)}
     mixes = [int(m) for m in args.mixes.split(",")]
 
     def prompts(requests: int, call: int = 0) -> list[list[int]]:
