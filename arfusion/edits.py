@@ -5,7 +5,10 @@ a site was (`fuse`), the fast all-reduce (`to_fast_path`), NCCL on the caller's 
 The fused op reads the all-reduce's input (reshaped to the norm output's shape when the graph
 regrouped tokens in between), the residual, weight, eps and quant scale roots, and each of the
 site's outputs read from outside is rerouted to the op's matching output, reshaped back to the
-shape the graph had there. The site's own nodes are removed.
+shape the graph had there. The site's own nodes are removed. Where the all-reduce was the only
+reader of its input (`graph_utils.sole_reader`: a matmul's output, as a rule) and the site adds a
+residual (else the op's first output is the sum itself), the op is the one that may overwrite it (`arfusion::fused_allreduce_rmsnorm_`), wrapped in auto_functionalized:
+Inductor's re-inplacing pass then hands it the input's own memory, as it does its own all-reduce.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import ops  # noqa: F401  (registers torch.ops.arfusion.*, read below)
 from .decisions import Reason, Why
-from .graph_utils import WAIT, Builder, value
+from .graph_utils import WAIT, Builder, sole_reader, value
 from .patterns import Combine, Site
 
 aten = torch.ops.aten
 FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
+FUSED_OP_ON_X = torch.ops.arfusion.fused_allreduce_rmsnorm_.default  # may overwrite x
 MOE_OP = torch.ops.arfusion.moe_combine_allreduce_rmsnorm.default
 FAST_OP = torch.ops.arfusion.all_reduce.default
 SYMBOLIC = Reason(Why.SYMBOLIC_SHAPE, "a symbolic shape between the all-reduce and the norm cannot be expressed")
@@ -32,7 +36,18 @@ def scaled_sites(graph: torch.fx.Graph) -> int:
     def scaled(node):
         return node.kwargs.get("input_scale", 1.0) != 1.0 or node.kwargs.get("input_scale_tensor") is not None
 
-    return sum(1 for n in graph.nodes if n.target in (FUSED_OP, MOE_OP) and scaled(n))
+    return sum(1 for n, _ in fused_calls(graph) if scaled(n))
+
+
+def fused_calls(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, object]]:
+    """The fused ops in `graph`, as (node, op); a node of the op that may overwrite x is its
+    auto_functionalized call (the op's arguments in its kwargs, as the others')."""
+    found = []
+    for n in graph.nodes:
+        op = n.args[0] if n.target is torch.ops.higher_order.auto_functionalized and n.args else n.target
+        if op in (FUSED_OP, FUSED_OP_ON_X, MOE_OP):
+            found.append((n, op))
+    return found
 
 
 def _scale_args(region) -> dict:
@@ -48,9 +63,11 @@ def fuse(graph: torch.fx.Graph, site: Site, op_args: dict, op_key: str, combine:
     (the graph then unchanged). With `combine` (the MoE top-k combine producing the all-reduce
     input) the MoE op takes its rows, weights and index instead, and the combine's nodes go too."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    region = site.region
+    # Before the reshape below reads x. Without a residual the op's first output is the sum itself.
+    on_x = combine is None and bool(site.residuals) and sole_reader(region.x, region.all_reduce)
     anchor = min((n for n, _ in site.exits), key=order.__getitem__)
     build = Builder(graph, anchor)
-    region = site.region
     norm_out = site.norm_out
     sources = [region.x, *site.residuals, norm_out, *([combine.nodes[-1]] if combine is not None else [])]
     # The MoE op works on the combine's [T, H]; the plain op on the norm's shape.
@@ -71,7 +88,11 @@ def fuse(graph: torch.fx.Graph, site: Site, op_args: dict, op_key: str, combine:
                 emit_norm=site.emit_norm, op_key=op_key, **op_args)
     if combine is None:
         # f * AR(x) (region.input_scale): the op gets x and f, so the graph's product goes too.
-        fused = build.call(FUSED_OP, x=x, **tail, **_scale_args(region))
+        if on_x:
+            fused = build.call(torch.ops.higher_order.auto_functionalized, FUSED_OP_ON_X, x=x, **tail,
+                               **_scale_args(region))
+        else:
+            fused = build.call(FUSED_OP, x=x, **tail, **_scale_args(region))
     else:
         shared = None if combine.shared is None else build.reshape(combine.shared, combine.nodes[-1],
                                                                    [*sources, combine.shared])

@@ -33,12 +33,12 @@ def all_reduce_in_place(x: torch.Tensor, group_name: str) -> None:
         x.copy_(target)
 
 
-def all_reduce_on_current_stream(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Sum of `x` over the group, as a new tensor, with NCCL on the caller's stream; x unchanged
-    (a custom op may not overwrite its input), so a copy of it is reduced in place. A
-    reduce-scatter + all-gather into a new tensor avoids the copy but was slower on 2xH200 at 16
-    to 64 MiB per rank (docs/benchmarks.md, machine R)."""
-    reduced = x.clone(memory_format=torch.contiguous_format)
+def all_reduce_on_current_stream(x: torch.Tensor, group_name: str, x_is_scratch: bool = False) -> torch.Tensor:
+    """Sum of `x` over the group, with NCCL on the caller's stream: x itself, reduced in place,
+    where the caller may overwrite it (`x_is_scratch`) and it is dense; otherwise a copy of it, x
+    unchanged. A reduce-scatter + all-gather into a new tensor avoids the copy too but was slower
+    on 2xH200 at 16 to 64 MiB per rank (docs/benchmarks.md, machine R)."""
+    reduced = x if x_is_scratch and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
     all_reduce_in_place(reduced, group_name)
     return reduced
 
@@ -49,13 +49,13 @@ def after_all_reduce(reduced, residual, weight, eps, form, quant_scale, reduced_
     return norm(reduced, residual, weight, eps, form, quant_scale, reduced_scale)
 
 
-def unfused(x, residual, weight, eps, group_name, form, quant_scale, input_scale=1.0):
+def unfused(x, residual, weight, eps, group_name, form, quant_scale, input_scale=1.0, x_is_scratch=False):
     """The unfused result, all_reduce(x) * input_scale [+ residual] -> norm. On a GPU: NCCL
-    all-reduce + one compiled (scale+)add+RMSNorm(+quant) kernel, since the eager reference is
-    1.6-2.3x slower there. Elsewhere the eager reference."""
+    all-reduce (of x itself where `x_is_scratch`) + one compiled (scale+)add+RMSNorm(+quant)
+    kernel, since the eager reference is 1.6-2.3x slower there. Elsewhere the eager reference."""
     if not compiles_fallback(x.device):
         return reference.unfused(x, residual, weight, eps, group_name, form, quant_scale, input_scale)
-    reduced = all_reduce_on_current_stream(x, group_name)
+    reduced = all_reduce_on_current_stream(x, group_name, x_is_scratch)
     return after_all_reduce(reduced, residual, weight, eps, form, quant_scale, input_scale)
 
 
@@ -109,8 +109,10 @@ def form_of(residual, norm, quant, emit_norm) -> Form:
 
 
 def run_fused(x, residual, weight, eps, group_name, form: Form, quant_scale, backend: str, caps: Caps,
-              codec: str | None = None, input_scale: float | torch.Tensor = 1.0) -> list[torch.Tensor]:
-    """`arfusion::fused_allreduce_rmsnorm` at run time (see its docstring in ops.py)."""
+              codec: str | None = None, input_scale: float | torch.Tensor = 1.0,
+              x_is_scratch: bool = False) -> list[torch.Tensor]:
+    """`arfusion::fused_allreduce_rmsnorm` at run time (see its docstring in ops.py); with
+    `x_is_scratch` (`arfusion::fused_allreduce_rmsnorm_`) the unfused path may overwrite x."""
     if weight is None:
         weight = unit_weight(x.device, x.dtype, x.shape[-1])
     scaled = isinstance(input_scale, torch.Tensor) or input_scale != 1.0
@@ -138,7 +140,7 @@ def run_fused(x, residual, weight, eps, group_name, form: Form, quant_scale, bac
         else:
             _dispatched("fallback")
             log_once(f"arfusion: {form.name} ran unfused at run time: {reason}")
-            outs = unfused(x, residual, weight, eps, group_name, form, quant_scale, input_scale)
+            outs = unfused(x, residual, weight, eps, group_name, form, quant_scale, input_scale, x_is_scratch)
     return dense_outputs(outs, x.shape[:-1])
 
 
@@ -167,7 +169,7 @@ def run_moe_combine(rows, scale, index, top_k: int, scale_first: bool, residual,
     combine = (compiled(reference.moe_combine) if compiles_fallback(rows.device) else reference.moe_combine)
     combined = combine(rows, scale, index, top_k, scale_first, shared, routed_scale)
     return run_fused(combined, residual, weight, eps, group_name, form, quant_scale, backend, caps, codec,
-                     input_scale)
+                     input_scale, x_is_scratch=True)  # the combine's own tensor
 
 
 def run_all_reduce(x: torch.Tensor, group_name: str, backend: str, caps: Caps) -> torch.Tensor:

@@ -97,6 +97,32 @@ def value(node) -> object:
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+# Views whose schema does not say that they alias their input.
+_UNMARKED_VIEWS = frozenset({aten._unsafe_view.default})
+
+
+def sole_reader(node: torch.fx.Node, reader: torch.fx.Node) -> bool:
+    """Whether `reader` is all that reads `node`'s memory, so it may overwrite it: `node` has no
+    other user and is made by an aten op that returns new memory, or is a view, read by nothing
+    else, of a tensor for which the same holds. Graph inputs, constants, collectives' and
+    multi-output ops' results (getitem) are never sole-read."""
+    while True:
+        target = node.target
+        if (node.op != "call_function" or set(node.users) != {reader} or not isinstance(target, torch._ops.OpOverload)
+                or target.namespace not in ("aten", "prims")):
+            return False
+        schema = target._schema
+        if schema.is_mutable or len(schema.returns) != 1:
+            return False
+        if schema.returns[0].alias_info is None and target not in _UNMARKED_VIEWS:
+            return True
+        if not node.args or not isinstance(node.args[0], torch.fx.Node):
+            return False
+        if target not in _UNMARKED_VIEWS and schema.arguments[0].alias_info is None:
+            return False  # a view of some other argument
+        node, reader = node.args[0], node
+
+
 def same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     """Whether two nodes' values have the same shape (symbolic sizes: provably equal)."""
     have, want = value(a).shape, value(b).shape

@@ -91,6 +91,13 @@ def fused_allreduce_rmsnorm(
     as it is (Gemma's embedding normaliser, a buffer; a float attribute under dynamic=True) and
     replaces input_scale.
     """
+    return _run_fused(False, x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
+                      backend, max_bytes, op_key, codec, codec_min_bytes, input_scale, input_scale_tensor)
+
+
+def _run_fused(x_is_scratch, x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
+               backend, max_bytes=None, op_key="", codec=None, codec_min_bytes=None, input_scale=1.0,
+               input_scale_tensor=None) -> list[torch.Tensor]:
     if input_scale_tensor is not None:
         input_scale = input_scale_tensor
     form = form_of(residual, norm, quant, emit_norm)
@@ -99,7 +106,7 @@ def fused_allreduce_rmsnorm(
     if eps_tensor is not None:  # a graph input (dynamic=True) or a buffer; a tensor still during a first capture
         eps = execution.eps_value(eps_tensor)
     return execution.run_fused(x, residual, weight, eps, group_name, form, quant_scale, backend,
-                               Caps(fused=max_bytes, codec_min=codec_min_bytes), codec, input_scale)
+                               Caps(fused=max_bytes, codec_min=codec_min_bytes), codec, input_scale, x_is_scratch)
 
 
 # Output layouts by input layout, for static shapes: the pattern matcher traces the op once per
@@ -134,6 +141,37 @@ def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_s
     if key is not None:
         _fake_layouts[key, form] = [(tuple(o.shape), o.stride(), o.dtype) for o in outs]
     return outs
+
+
+# The most outputs a form has (residual, norm, quant, scale: `core.Form.outputs`).
+MAX_OUTPUTS = 4
+_SIGNATURE = str(torch.ops.arfusion.fused_allreduce_rmsnorm.default._schema)
+
+
+def _padded(outs: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (*outs, *(like.new_empty(0) for _ in range(MAX_OUTPUTS - len(outs))))
+
+
+def _fused_on_scratch(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+    return _padded(_run_fused(True, *args, **kwargs), args[0] if args else kwargs["x"])
+
+
+def _fake_on_scratch(*args, **kwargs) -> tuple[torch.Tensor, ...]:
+    return _padded(_fake(*args, **kwargs), args[0] if args else kwargs["x"])
+
+
+# `fused_allreduce_rmsnorm` that may overwrite x: where x is the last use of a fresh tensor (a
+# row-parallel matmul's output) and a residual is added (so no output is x), the unfused path
+# then all-reduces x itself, as Inductor does
+# without the pass, instead of a copy (32 us a site at 64 MiB per rank on H200: docs/benchmarks.md,
+# machine R). Its outputs are the functional op's, padded with empty tensors to MAX_OUTPUTS, since a
+# mutating op must return single tensors to be functionalized (torch's can_auto_functionalize);
+# the pass calls it through auto_functionalized and Inductor's re-inplacing pass (edits.fuse).
+fused_allreduce_rmsnorm_ = torch.library.custom_op(
+    "arfusion::fused_allreduce_rmsnorm_", _fused_on_scratch, mutates_args=("x",),
+    schema=_SIGNATURE[_SIGNATURE.index("("):_SIGNATURE.rindex("->")].replace("(Tensor x,", "(Tensor(a!) x,")
+    + "-> (" + ", ".join(["Tensor"] * MAX_OUTPUTS) + ")")
+fused_allreduce_rmsnorm_.register_fake(_fake_on_scratch)
 
 
 @torch.library.custom_op("arfusion::moe_combine_allreduce_rmsnorm", mutates_args=())

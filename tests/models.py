@@ -189,10 +189,13 @@ def experts_sum_float64(experts, x, index, weights):
 
 
 def op_arguments(node) -> dict:
-    """An op node's arguments by schema name, defaults filled in (the pass calls arfusion's ops by keyword)."""
-    names = [a.name for a in node.target._schema.arguments]
-    given = dict(zip(names, node.args), **node.kwargs)
-    return {a.name: given.get(a.name, a.default_value) for a in node.target._schema.arguments}
+    """An op node's arguments by schema name, defaults filled in (the pass calls arfusion's ops by
+    keyword; an op that mutates an input through auto_functionalized, whose kwargs they are)."""
+    wrapped = node.target is torch.ops.higher_order.auto_functionalized
+    op, args = (node.args[0], ()) if wrapped else (node.target, node.args)
+    names = [a.name for a in op._schema.arguments]
+    given = dict(zip(names, args), **node.kwargs)
+    return {a.name: given.get(a.name, a.default_value) for a in op._schema.arguments}
 
 
 def unfused_all_reduces(graph) -> int:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import arfusion
-from arfusion.edits import FUSED_OP
+from arfusion.edits import MOE_OP, fused_calls
 from arfusion.fusion_pass import ArFusionPass, ChainedPass
 
 from .models import RowParallelThenNorm, op_arguments, unfused_all_reduces
@@ -98,7 +98,7 @@ def run(module, dtype=torch.bfloat16, lead=(2, 5), dynamic=False, quant_forms=No
     seen = {}
 
     def inspect(graph):
-        seen["fused"] = [op_arguments(n) for n in graph.nodes if n.target is FUSED_OP]
+        seen["fused"] = [op_arguments(n) for n, op in fused_calls(graph) if op is not MOE_OP]
         seen["left"] = unfused_all_reduces(graph)
 
     config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch",
@@ -242,7 +242,7 @@ def compile_and_inspect(module, *inputs, config=None, dynamic=False):
     seen = {}
 
     def inspect(graph):
-        seen["fused"] = [op_arguments(n) for n in graph.nodes if n.target is FUSED_OP]
+        seen["fused"] = [op_arguments(n) for n, op in fused_calls(graph) if op is not MOE_OP]
         seen["left"] = unfused_all_reduces(graph)
 
     config = config or arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import arfusion
 from arfusion import execution
 from arfusion.decisions import Fate, Reason, Why
+from arfusion.edits import fused_calls
 from arfusion.fusion_pass import ArFusionPass, ChainedPass
 from arfusion.stats import decisions
 
@@ -39,7 +40,7 @@ def compile_and_count(module, *args, dynamic=False, **config):
     def inspect(graph):
         seen.update(fast=sum(n.target is FAST for n in graph.nodes),
                     functional=sum(n.target is FUNCTIONAL for n in graph.nodes),
-                    fused=sum(n.target is torch.ops.arfusion.fused_allreduce_rmsnorm.default for n in graph.nodes),
+                    fused=len(fused_calls(graph)),
                     left=unfused_all_reduces(graph))
 
     cfg = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch", **config)

@@ -17,6 +17,7 @@ from torch import nn
 
 import arfusion
 from arfusion.decisions import Why
+from arfusion.edits import fused_calls
 from arfusion.fusion_pass import ArFusionPass, ChainedPass
 
 from .models import unfused_all_reduces
@@ -24,7 +25,6 @@ from .helpers import assert_close, run_workers
 from .sites import NORMS
 
 H, E, K, T = 128, 4, 2, 6
-FUSED_OP = torch.ops.arfusion.fused_allreduce_rmsnorm.default
 MOE_OP = torch.ops.arfusion.moe_combine_allreduce_rmsnorm.default
 
 
@@ -100,8 +100,8 @@ def compile_run(module, inputs, fuse_moe_combine=True, dynamic=False, backend="t
     seen = {}
 
     def inspect(graph):
-        seen.update(moe=sum(1 for n in graph.nodes if n.target is MOE_OP),
-                    plain=sum(1 for n in graph.nodes if n.target is FUSED_OP),
+        ops = [op for _, op in fused_calls(graph)]
+        seen.update(moe=ops.count(MOE_OP), plain=len(ops) - ops.count(MOE_OP),
                     left=unfused_all_reduces(graph))
 
     config = arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend, fuse_moe_combine=fuse_moe_combine)

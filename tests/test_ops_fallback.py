@@ -43,7 +43,8 @@ def test_gpu_fallback_is_all_reduce_plus_compiled_norm(world_of_one, monkeypatch
     monkeypatch.setattr(execution, "compiled", lambda fn: used.append(fn) or real(fn))
     reduced = []
     real_ar = execution.all_reduce_on_current_stream  # blocking dist.all_reduce: NCCL on the caller's stream
-    monkeypatch.setattr(execution, "all_reduce_on_current_stream", lambda x, g: reduced.append(g) or real_ar(x, g))
+    monkeypatch.setattr(execution, "all_reduce_on_current_stream",
+                        lambda x, g, on_x=False: reduced.append(g) or real_ar(x, g, on_x))
     x, res, w = inputs()
     want = reference.unfused(x, res, w, 1e-6, world_of_one, SITE)
     monkeypatch.setattr(reference, "all_reduce_sum", lambda x, g: pytest.fail("functional all_reduce used"))
@@ -58,7 +59,8 @@ def test_gpu_fallback_is_all_reduce_plus_compiled_norm(world_of_one, monkeypatch
 
 def _sums_without_touching_the_input(rank):
     """On each rank: x, dense or strided, is summed over the group into a new dense tensor by one
-    all-reduce (of a copy); x is left as it was."""
+    all-reduce (of a copy); x is left as it was. Where the caller lets it overwrite x, a dense x
+    is summed in place, a strided one as before."""
     import torch.distributed as dist
 
     group = dist.group.WORLD.group_name
@@ -74,6 +76,10 @@ def _sums_without_touching_the_input(rank):
             want = 2 * (before - 100 * rank) + 100  # x0 + x1
             assert torch.equal(got, want) and got.is_contiguous() and collectives == ["ar"], collectives
             assert torch.equal(x, before)
+            collectives.clear()
+            got = execution.all_reduce_on_current_stream(x, group, x_is_scratch=True)
+            assert torch.equal(got, want) and collectives == ["ar"]
+            assert (got is x) == x.is_contiguous() and torch.equal(x, want if x.is_contiguous() else before)
     finally:
         dist.all_reduce = real_ar
 

@@ -239,3 +239,55 @@ def test_identical_sites_are_classified_once(fake_pg, monkeypatch):
     # The embedding site, the residual sites, and the last one (nothing reads its sum later).
     assert len(calls) == 3
     assert stats["pass_seconds"] > 0
+
+
+class SiteOnAnInput(nn.Module):
+    """A site whose all-reduce reads a graph input, and one whose all-reduce input is also returned."""
+
+    def __init__(self, hidden=PATTERN_HIDDEN):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden, bias=False, dtype=torch.bfloat16)
+        self.norms = nn.ModuleList(nn.RMSNorm(hidden, eps=1e-6, dtype=torch.bfloat16) for _ in range(2))
+
+    def forward(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        first = self.norms[0](funcol.all_reduce(x, "sum", dist.group.WORLD))
+        y = self.proj(first)
+        return self.norms[1](first + funcol.all_reduce(y, "sum", dist.group.WORLD)), y
+
+
+def test_a_sole_read_input_is_all_reduced_in_place_and_any_other_is_left_alone(fake_pg, monkeypatch):
+    from torch._inductor.utils import run_and_get_code
+
+    from arfusion import execution
+
+    # The compiled unfused path, as on a GPU: it reduces x itself where the op may overwrite it.
+    monkeypatch.setattr(execution, "compiles_fallback", lambda device: True)
+    scratch = []
+    real = execution.all_reduce_on_current_stream
+    monkeypatch.setattr(execution, "all_reduce_on_current_stream",
+                        lambda x, g, on_x=False: scratch.append(on_x) or real(x, g, on_x))
+    config = arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch", max_size_mb={2: 0.0001})
+    options = {"post_grad_custom_post_pass": ArFusionPass(config)}
+    model, x = TinyDecoder(PATTERN_HIDDEN, layers=2), torch.randn(1, 6, PATTERN_HIDDEN, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+        got, (code, *_) = run_and_get_code(torch.compile(model, options=options, dynamic=True), x)
+    # Every site's x is a matmul's output: the op gets that buffer itself (no copy), which Inductor
+    # reuses after it, except the first site's: without a residual its first output is the sum. The
+    # values are the eager model's.
+    assert code.count("torch.ops.arfusion.fused_allreduce_rmsnorm_.default(") == 4 and "clone" not in code
+    assert code.count("torch.ops.arfusion.fused_allreduce_rmsnorm.default(") == 1
+    assert scratch == [False] + [True] * 4
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    torch._dynamo.reset()
+    scratch.clear()
+    model, x = SiteOnAnInput(), torch.randn(4, PATTERN_HIDDEN, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+        got, (code, *_) = run_and_get_code(torch.compile(model, options=options, dynamic=True), x)
+    assert code.count("torch.ops.arfusion.fused_allreduce_rmsnorm.default(") == 2 and "rmsnorm_.default" not in code
+    assert scratch == [False, False]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
