@@ -20,8 +20,30 @@ from . import execution, reference, stats
 from .execution import dense_outputs, form_of
 from .policy import Caps
 
+# Registered through torch.library's low-level API, not `torch.library.custom_op`: the latter's
+# Python wrappers cost about 50 us a call (200 us for an op that mutates an input: torch's
+# ADInplaceOrView kernel rebuilds the schema's argument list for each argument), where the
+# dispatcher's own path costs about 9 us (torch 2.13, CPU). Compiled graphs call these ops on
+# every step that is not a CUDA-graph replay. Inference only: no autograd formulas.
+_LIB = torch.library.Library("arfusion", "FRAGMENT")
 
-@torch.library.custom_op("arfusion::all_reduce_", mutates_args=("x",))
+
+def _op(name: str, mutates_args: tuple[str, ...] = (), schema: str | None = None):
+    """Define torch.ops.arfusion.<name> from the decorated function (its schema inferred from
+    its annotations unless given) and return the op."""
+    def define(fn):
+        _LIB.define(name + (schema or torch.library.infer_schema(fn, mutates_args=mutates_args)))
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        return getattr(torch.ops.arfusion, name).default
+    return define
+
+
+def _fake_of(op):
+    """Register the decorated function as `op`'s fake (meta) implementation."""
+    return torch.library.register_fake(op, lib=_LIB)
+
+
+@_op("all_reduce_", mutates_args=("x",))
 def all_reduce_in_place(x: torch.Tensor, group_name: str) -> None:
     """Sum `x` over the group in place, with NCCL on the caller's stream.
 
@@ -35,12 +57,12 @@ def all_reduce_in_place(x: torch.Tensor, group_name: str) -> None:
     execution.all_reduce_in_place(x, group_name)
 
 
-@all_reduce_in_place.register_fake
+@_fake_of(all_reduce_in_place)
 def _all_reduce_in_place_fake(x, group_name):
     return None
 
 
-@torch.library.custom_op("arfusion::all_reduce", mutates_args=())
+@_op("all_reduce")
 def all_reduce(x: torch.Tensor, group_name: str, backend: str, max_bytes: int | None = None,
                op_key: str = "") -> torch.Tensor:
     """The sum of `x` over the group, as a new tensor: the backend's fast all-reduce (FlashInfer's
@@ -52,12 +74,12 @@ def all_reduce(x: torch.Tensor, group_name: str, backend: str, max_bytes: int | 
     return execution.run_all_reduce(x, group_name, backend, Caps(plain=max_bytes))
 
 
-@all_reduce.register_fake
+@_fake_of(all_reduce)
 def _all_reduce_fake(x, group_name, backend, max_bytes=None, op_key=""):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("arfusion::fused_allreduce_rmsnorm", mutates_args=())
+@_op("fused_allreduce_rmsnorm")
 def fused_allreduce_rmsnorm(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -126,7 +148,7 @@ def _layout_key(*tensors) -> tuple | None:
     return tuple(key)
 
 
-@fused_allreduce_rmsnorm.register_fake
+@_fake_of(fused_allreduce_rmsnorm)
 def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_scale, emit_norm,
           backend, max_bytes=None, op_key="", codec=None, codec_min_bytes=None, input_scale=1.0,
           input_scale_tensor=None):
@@ -145,36 +167,32 @@ def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_s
 
 # The most outputs a form has (residual, norm, quant, scale: `core.Form.outputs`).
 MAX_OUTPUTS = 4
-_SIGNATURE = str(torch.ops.arfusion.fused_allreduce_rmsnorm.default._schema)
+_SIGNATURE = str(fused_allreduce_rmsnorm._schema)
 
 
 def _padded(outs: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (*outs, *(like.new_empty(0) for _ in range(MAX_OUTPUTS - len(outs))))
 
 
-def _fused_on_scratch(*args, **kwargs) -> tuple[torch.Tensor, ...]:
-    return _padded(_run_fused(True, *args, **kwargs), args[0] if args else kwargs["x"])
-
-
-def _fake_on_scratch(*args, **kwargs) -> tuple[torch.Tensor, ...]:
-    return _padded(_fake(*args, **kwargs), args[0] if args else kwargs["x"])
-
-
 # `fused_allreduce_rmsnorm` that may overwrite x: where x is the last use of a fresh tensor (a
 # row-parallel matmul's output) and a residual is added (so no output is x), the unfused path
-# then all-reduces x itself, as Inductor does
-# without the pass, instead of a copy (32 us a site at 64 MiB per rank on H200: docs/benchmarks.md,
-# machine R). Its outputs are the functional op's, padded with empty tensors to MAX_OUTPUTS, since a
-# mutating op must return single tensors to be functionalized (torch's can_auto_functionalize);
-# the pass calls it through auto_functionalized and Inductor's re-inplacing pass (edits.fuse).
-fused_allreduce_rmsnorm_ = torch.library.custom_op(
-    "arfusion::fused_allreduce_rmsnorm_", _fused_on_scratch, mutates_args=("x",),
-    schema=_SIGNATURE[_SIGNATURE.index("("):_SIGNATURE.rindex("->")].replace("(Tensor x,", "(Tensor(a!) x,")
-    + "-> (" + ", ".join(["Tensor"] * MAX_OUTPUTS) + ")")
-fused_allreduce_rmsnorm_.register_fake(_fake_on_scratch)
+# then all-reduces x itself, as Inductor does without the pass, instead of a copy (32 us a site
+# at 64 MiB per rank on H200: docs/benchmarks.md, machines R and S). Its outputs are the
+# functional op's, padded with empty tensors to MAX_OUTPUTS, since a mutating op must return
+# single tensors to be functionalized (torch's can_auto_functionalize); the pass calls it
+# through auto_functionalized and Inductor's re-inplacing pass (edits.fuse).
+@_op("fused_allreduce_rmsnorm_", schema=_SIGNATURE[_SIGNATURE.index("("):_SIGNATURE.rindex("->")].replace(
+    "(Tensor x,", "(Tensor(a!) x,") + "-> (" + ", ".join(["Tensor"] * MAX_OUTPUTS) + ")")
+def fused_allreduce_rmsnorm_(*args) -> tuple[torch.Tensor, ...]:
+    return _padded(_run_fused(True, *args), args[0])
 
 
-@torch.library.custom_op("arfusion::moe_combine_allreduce_rmsnorm", mutates_args=())
+@_fake_of(fused_allreduce_rmsnorm_)
+def _fake_on_scratch(*args) -> tuple[torch.Tensor, ...]:
+    return _padded(_fake(*args), args[0])
+
+
+@_op("moe_combine_allreduce_rmsnorm")
 def moe_combine_allreduce_rmsnorm(
     rows: torch.Tensor,
     scale: torch.Tensor,
@@ -224,7 +242,7 @@ def moe_combine_allreduce_rmsnorm(
                                      codec, shared, routed_scale, input_scale)
 
 
-@moe_combine_allreduce_rmsnorm.register_fake
+@_fake_of(moe_combine_allreduce_rmsnorm)
 def _moe_fake(rows, scale, index, top_k, scale_first, residual, weight, eps, eps_tensor, group_name, norm, quant,
               quant_scale, emit_norm, backend, max_bytes=None, op_key="", codec=None, codec_min_bytes=None,
               shared=None, routed_scale=1.0, input_scale=1.0):
