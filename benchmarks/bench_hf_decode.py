@@ -36,7 +36,8 @@ keeps what it measured):
   loop      what users run, 1: a greedy loop (eager prefill, then the step compiled with
             mode="reduce-overhead", cudagraph trees) making n new tokens per call
   generate  what users run, 2: HF generate() with a static cache and its own compile, greedy and
-            sampling at batch 1 and 8 (--gen-variants)
+            sampling at batch 1 and 8 (--gen-variants), in CUDA graphs or, with --generate-mode
+            default, without (each step's launches, the pass's ops included, on the host)
             loop and generate time off and on in interleaved pairs (--pairs, the config going first
             alternating), each config's calls at two lengths (--lengths 144 16): steady-state ms
             per token by difference, the fixed per-call cost (prefill, cache set-up) apart, each
@@ -167,6 +168,8 @@ def parse(argv):
     p.add_argument("--pairs", type=int, default=8,
                    help="loop/generate: interleaved off/on pairs per variant that must be valid (no compile or "
                         "CUDA-graph recording in them); at most twice as many are tried")
+    p.add_argument("--generate-mode", default="reduce-overhead", choices=["reduce-overhead", "default"],
+                   help="generate()'s compile: CUDA graphs (HF's default) or none (every step launched from the host)")
     p.add_argument("--gen-variants", nargs="+", default=["greedy:1"], metavar="MODE:BATCH",
                    help="generate (and loop, greedy only): sampling mode and batch, e.g. greedy:1 sample:1 greedy:8 "
                         "sample:8")

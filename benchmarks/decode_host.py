@@ -2,8 +2,9 @@
 
   loop      a hand-written greedy loop: eager prefill into a static cache, then one compiled
             step per token, mode="reduce-overhead" (cudagraph trees) on GPU
-  generate  HF generate() with a static cache and its own compile (reduce-overhead on GPU),
-            greedy or sampling (--gen-variants greedy:1 sample:1 greedy:8 sample:8: mode:batch)
+  generate  HF generate() with a static cache and its own compile (reduce-overhead on GPU, or
+            --generate-mode default: no CUDA graphs), greedy or sampling (--gen-variants greedy:1
+            sample:1 greedy:8 sample:8: mode:batch)
 
 Off and on live side by side in one process and take turns: --pairs interleaved pairs, each pair
 one call of each config at each of two lengths (--lengths, default 144 and 16), the config that
@@ -134,7 +135,9 @@ class GenerateRunner(Runner):
         from transformers import CompileConfig
 
         super().__init__(b, name)
-        options = {"triton.cudagraphs": b.cuda}  # what mode="reduce-overhead", HF's default, sets
+        # What mode="reduce-overhead", HF's default, sets; --generate-mode default: none (every
+        # step's kernels and the pass's ops launched from the host).
+        options = {"triton.cudagraphs": b.cuda and b.args.generate_mode == "reduce-overhead"}
         if name == "on":
             options.update(arfusion.inductor_options(b.pass_config))
         self.compile_config = CompileConfig(dynamic=False, mode=None, options=options)
@@ -311,7 +314,8 @@ def run_host_phase(b, kind: str) -> dict:
     progress = Progress(len(variants) * (len(names) * (2 if b.cuda else 1) + 2 * b.args.pairs),
                         f"{kind} ({', '.join(v[0] for v in variants)})", enabled=b.rank == 0)
     result = {"lengths": sorted(b.args.lengths, reverse=True), "pairs": b.args.pairs, "prompt": b.args.prompt,
-              "configs": names, "mode": "reduce-overhead (cudagraph trees)" if b.cuda else "default (CPU)",
+              "configs": names, "mode": ("reduce-overhead (cudagraph trees)" if b.cuda and (
+                  kind == "loop" or b.args.generate_mode == "reduce-overhead") else "default"),
               "method": "interleaved pairs, difference of two lengths", "variants": {}}
     forget_compiles(b.model)
     b.compiled.clear()  # the decode phase's compiles went with dynamo's reset

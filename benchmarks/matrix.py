@@ -79,6 +79,11 @@ STAGES = {
     **{f"generatesample{n}": Stage(n, 540, "bench_hf_decode.py",
                                    f"{GENERATE} --gen-variants sample:1 sample:8 --tag generate_sample", "HF generate(), sampling only, batch 1 and 8, 8 pairs")
        for n in (2, 4)},
+    # generate() compiled without CUDA graphs: each step's launches, the pass's ops included, on the host.
+    **{f"generatedefault{n}": Stage(n, 540, "bench_hf_decode.py",
+                                    f"{GENERATE} --generate-mode default --gen-variants greedy:1 greedy:8 "
+                                    "--tag generate_default", "HF generate() in default mode (no CUDA graphs), greedy, "
+                                    "batch 1 and 8, 8 pairs") for n in (2, 4)},
     **{f"prefill{n}": Stage(n, 420, "bench_hf_decode.py", f"{PREFILL} --tag prefill",
                             "prefill 512/2048/8192, with and without the quantized all-reduce") for n in (2, 4)},
     # A config's first call (compile, capture) takes ~230 s at 32 layers on H100: off and on of one
@@ -276,8 +281,10 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
                 if "error" in v or not v.get("on_speedup"):
                     continue
                 s = v["on_speedup"]
+                default_mode = phases[kind].get("mode") == "default" and meta.get("device", "cpu") != "cpu"
                 out.append({**common, "path": "HF generate()" if kind == "generate" else "reduce-overhead loop",
-                            "model": model, "tp": tp, "case": label.replace("_b", ", batch "), "unit": "ms per token",
+                            "model": model, "tp": tp, "unit": "ms per token",
+                            "case": label.replace("_b", ", batch ") + (", default mode (no CUDA graphs)" if default_mode else ""),
                             "off": v["off"]["ms_per_token"], "on": v["on"]["ms_per_token"], "speed": s["median"],
                             "spread": [s["min"], s["max"]], "pairs": s["n"], "excluded_pairs": v["excluded_pairs"],
                             "gpu_busy_fraction": [v[c].get("gpu_busy_fraction") for c in ("off", "on")]})

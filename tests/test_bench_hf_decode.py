@@ -307,7 +307,7 @@ def test_profiles_run_after_every_variants_pairs_are_saved():
         return {"off": config(2.0), "on": config(1.0), "valid_pairs": 2, "excluded_pairs": 0, "excluded_why": {}}
 
     b = types.SimpleNamespace(args=types.SimpleNamespace(configs=["off", "on"], gen_variants=["greedy:1", "greedy:4", "sample:8"],
-                                                         pairs=2, lengths=[32, 8], prompt=16, budget_s=1000, strict=False),
+                                                         generate_mode="reduce-overhead", pairs=2, lengths=[32, 8], prompt=16, budget_s=1000, strict=False),
                               cuda=True, rank=1, model=None, compiled={}, result={"phases": {}}, started=time.time(),
                               save=lambda: events.append("save"), say=lambda *_: None,
                               out_of_time=lambda needed_s=0.0: False)

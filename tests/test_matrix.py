@@ -107,6 +107,8 @@ def test_report_rows_bar_table_and_plot(tmp_path):
         "decode": {"rows": [{"batch": 1, "off_ms": 5.0, "on_ms": 4.0, "floor_ms": 3.5, "comm_removed_pct": 66.7}],
                    "partial": True, "incomplete_row": {"batch": 8, "off_ms": 6.0, "on_ms": 5.0}},  # killed before its floor
         "generate": {"variants": {"greedy_b1": variant, "sample_b8": {"error": "boom"}}}}})
+    write(tmp_path / "generatedefault2", "decode_llama_w2_generate_default.json", {"meta": META, "phases": {
+        "generate": {"mode": "default", "variants": {"greedy_b8": variant}}}})  # compiled without CUDA graphs
     written = matrix.report([str(tmp_path)], tmp_path / "out", "h100x4_test")
     assert sorted(p.name for p in written) == ["matrix_h100x4_test.json", "matrix_h100x4_test.md",
                                                "matrix_h100x4_test.png"]
@@ -130,6 +132,7 @@ def test_report_rows_bar_table_and_plot(tmp_path):
     assert cut["speed"] == 1.2 and "floor" not in cut
     gen = by_path[("HF generate()", "greedy, batch 1")]
     assert gen["speed"] == 0.957 and gen["spread"] == [0.9, 1.01] and gen["pairs"] == 8
+    assert by_path[("HF generate()", "greedy, batch 8, default mode (no CUDA graphs)")]["speed"] == 0.957
     assert not [r for r in rows if "sample" in r["case"]]  # a failed variant makes no row
     assert {r["date"] for r in rows} == {"2026-11-27"} and rows[0]["versions"]["transformers"] == "5.24.0"
     md = (tmp_path / "out" / "matrix_h100x4_test.md").read_text()
