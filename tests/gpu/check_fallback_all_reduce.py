@@ -2,10 +2,11 @@
 
 `torchrun --nproc-per-node 2 tests/gpu/check_fallback_all_reduce.py --out DIR [--shared-gpu]`: per
 size (bf16, hidden 4096, 1 to 64 MiB per rank), the sum against an all-reduce of a copy, eagerly
-and replayed from a CUDA graph with new inputs, and the input left as it was. With NCCL (one GPU
+and replayed from a CUDA graph with new inputs, and the input left as it was; where the caller
+lets it overwrite its input (x_is_scratch), the sum in x itself. With NCCL (one GPU
 per rank) it is also timed in CUDA graphs against the in-place all-reduce a model's row-parallel
 output gets without the pass (`tuning.time_in_graph`, median us per call; the difference is the
-copy). With --shared-gpu both ranks run on GPU 0 over gloo (what is computed, not speed). Writes
+copy), and so is the fallback in place (expected: the in-place time). With --shared-gpu both ranks run on GPU 0 over gloo (what is computed, not speed). Writes
 DIR/fallback_all_reduce.json.
 """
 
@@ -45,7 +46,10 @@ def check(mib: int, device: torch.device, rank: int, group_name: str, nccl: bool
     got, want = execution.all_reduce_on_current_stream(x, group_name), by_copy()
     row["eager_equal"] = bool(torch.equal(got, want))
     row["input_unchanged"] = bool(torch.equal(x, before))
-    row["ok"] = row["eager_equal"] and row["input_unchanged"]
+    scratch = x.clone()  # where the op may overwrite its input (`arfusion::fused_allreduce_rmsnorm_`)
+    got = execution.all_reduce_on_current_stream(scratch, group_name, x_is_scratch=True)
+    row["in_place_eager_equal"] = bool(torch.equal(got, want)) and got is scratch
+    row["ok"] = row["eager_equal"] and row["input_unchanged"] and row["in_place_eager_equal"]
     if not nccl:  # gloo collectives cannot be captured
         return row
     # Captured once, replayed on new inputs: the graph must read x anew and write a fresh sum.
@@ -70,6 +74,8 @@ def check(mib: int, device: torch.device, rank: int, group_name: str, nccl: bool
     row["fallback_us"] = tuning.time_in_graph(lambda: execution.all_reduce_on_current_stream(x, group_name),
                                               dist.group.WORLD, 20, 20)
     row["in_place_us"] = tuning.time_in_graph(lambda: dist.all_reduce(inplace), dist.group.WORLD, 20, 20)
+    row["fallback_in_place_us"] = tuning.time_in_graph(
+        lambda: execution.all_reduce_on_current_stream(inplace, group_name, x_is_scratch=True), dist.group.WORLD, 20, 20)
     return row
 
 
