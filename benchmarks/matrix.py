@@ -60,30 +60,24 @@ GENERATE = "--phases generate --pairs 8 --lengths 128 16"  # + its variants: --g
 PREFILL = "--phases prefill --prefill 512 2048 8192 --quantized fp8 --replays 30"
 LLAMA70B = "--model-type llama70b --layers 80 --unique-layers 20"
 STAGES = {
-    **{f"site{n}": Stage(n, 200, "bench_fused_op.py", "--hidden 4096 8192",
-                         "one site, T = 1 ... 8192, bf16") for n in (2, 4)},
+    **{f"site{n}": Stage(n, 200, "bench_fused_op.py", "--hidden 4096 8192", "one site, T = 1 ... 8192, bf16") for n in (2, 4)},
     **{f"sitequant{n}": Stage(n, 240, "bench_fused_op.py",
                               "--hidden 4096 8192 --tokens 1 8 32 128 512 2048 8192 --quant fp8_static fp8_dynamic fp8_group",
                               "one site + FP8 quant (static, dynamic, per-group)") for n in (2, 4)},
-    **{f"quantized{n}": Stage(n, 200, "bench_fused_op.py", "--quantized fp8",
-                              "the quantized (FP8) all-reduce against the exact fused kernel, 1 ... 64 MiB per rank")
-       for n in (2, 4)},
+    **{f"quantized{n}": Stage(n, 200, "bench_fused_op.py", "--quantized fp8", "the quantized (FP8) all-reduce against "
+                              "the exact fused kernel, 1 ... 64 MiB per rank") for n in (2, 4)},
     **{f"quantizedknobs{n}": Stage(n, 420, "bench_fused_op.py", "--quantized fp8 --mib 4 8 16 --codec-knobs",
                                    "the same at 4/8/16 MiB, and FlashInfer's call under 24 launch knobs") for n in (2, 4)},
     **{f"decode{n}": Stage(n, 520, "bench_hf_decode.py", f"{LLAMA_DECODE} --tag decode",
                            "Llama-3-8B decode step in one CUDA graph, batch 1/8/32, with the floor") for n in (2, 4)},
     **{f"generate{n}": Stage(n, 540, "bench_hf_decode.py", f"{GENERATE} --gen-variants greedy:1 sample:1 greedy:8 sample:8 --tag generate",
                              "HF generate(), greedy and sampling, batch 1 and 8, 8 interleaved pairs") for n in (2, 4)},
-    # The sampling variants alone: at TP=4 the four variants do not fit one call (2026-11-28: greedy at batch 1
-    # and 8 took 290 s of a 320 s budget, ~140 s per variant with its first compiles).
-    **{f"generatesample{n}": Stage(n, 540, "bench_hf_decode.py",
-                                   f"{GENERATE} --gen-variants sample:1 sample:8 --tag generate_sample", "HF generate(), sampling only, batch 1 and 8, 8 pairs")
-       for n in (2, 4)},
-    # generate() compiled without CUDA graphs: each step's launches, the pass's ops included, on the host.
-    **{f"generatedefault{n}": Stage(n, 540, "bench_hf_decode.py",
-                                    f"{GENERATE} --generate-mode default --gen-variants greedy:1 greedy:8 "
-                                    "--tag generate_default", "HF generate() in default mode (no CUDA graphs), greedy, "
-                                    "batch 1 and 8, 8 pairs") for n in (2, 4)},
+    # The sampling variants alone: at TP=4 four variants do not fit one call (greedy at batch 1 and 8: 290 s, 2026-11-28).
+    **{f"generatesample{n}": Stage(n, 540, "bench_hf_decode.py", f"{GENERATE} --gen-variants sample:1 sample:8 --tag "
+                                   "generate_sample", "HF generate(), sampling only, batch 1 and 8, 8 pairs") for n in (2, 4)},
+    **{f"generatedefault{n}": Stage(n, 540, "bench_hf_decode.py", f"{GENERATE} --generate-mode default --gen-variants "
+                                    "greedy:1 greedy:8 --tag generate_default", "HF generate() without CUDA graphs "
+                                    "(every step launched by the host), greedy, batch 1 and 8, 8 pairs") for n in (2, 4)},
     **{f"prefill{n}": Stage(n, 420, "bench_hf_decode.py", f"{PREFILL} --tag prefill",
                             "prefill 512/2048/8192, with and without the quantized all-reduce") for n in (2, 4)},
     # A config's first call (compile, capture) takes ~230 s at 32 layers on H100: off and on of one
@@ -280,11 +274,10 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
             for label, v in phases.get(kind, {}).get("variants", {}).items():
                 if "error" in v or not v.get("on_speedup"):
                     continue
-                s = v["on_speedup"]
-                default_mode = phases[kind].get("mode") == "default" and meta.get("device", "cpu") != "cpu"
+                s, no_graphs = v["on_speedup"], phases[kind].get("mode") == "default" and meta["device"] != "cpu"
                 out.append({**common, "path": "HF generate()" if kind == "generate" else "reduce-overhead loop",
                             "model": model, "tp": tp, "unit": "ms per token",
-                            "case": label.replace("_b", ", batch ") + (", default mode (no CUDA graphs)" if default_mode else ""),
+                            "case": label.replace("_b", ", batch ") + (", default mode (no CUDA graphs)" * no_graphs),
                             "off": v["off"]["ms_per_token"], "on": v["on"]["ms_per_token"], "speed": s["median"],
                             "spread": [s["min"], s["max"]], "pairs": s["n"], "excluded_pairs": v["excluded_pairs"],
                             "gpu_busy_fraction": [v[c].get("gpu_busy_fraction") for c in ("off", "on")]})
