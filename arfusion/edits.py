@@ -7,8 +7,9 @@ regrouped tokens in between), the residual, weight, eps and quant scale roots, a
 site's outputs read from outside is rerouted to the op's matching output, reshaped back to the
 shape the graph had there. The site's own nodes are removed. Where the all-reduce was the only
 reader of its input (`graph_utils.sole_reader`: a matmul's output, as a rule) and the site adds a
-residual (else the op's first output is the sum itself), the op is the one that may overwrite it (`arfusion::fused_allreduce_rmsnorm_`), wrapped in auto_functionalized:
-Inductor's re-inplacing pass then hands it the input's own memory, as it does its own all-reduce.
+residual (else the op's first output is the sum itself), the op is the one that may overwrite it
+(`arfusion::fused_allreduce_rmsnorm_`), wrapped in auto_functionalized: Inductor's re-inplacing
+pass then hands it the input's own memory, as it does its own all-reduce.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The ops the pass puts into graphs: their schemas and fake (meta) implementations.
 
 `arfusion::fused_allreduce_rmsnorm`, what every form's rewrite calls, is functional (returns
-fresh tensors, mutates nothing), so the rewritten graph needs no auto_functionalized
-bookkeeping. At run time it asks the backend whether this call can be fused and otherwise
-computes the unfused result itself: the answer is always right. What each call runs is decided
-in `execution`.
+fresh tensors, mutates nothing). At run time it asks the backend whether this call can be fused
+and otherwise computes the unfused result itself: the answer is always right. What each call
+runs is decided in `execution`. Its twin `arfusion::fused_allreduce_rmsnorm_` may overwrite x
+(the pass wraps it in auto_functionalized where x has no other reader), so that the unfused
+result needs no copy of x.
 
 `arfusion::moe_combine_allreduce_rmsnorm` also takes the MoE top-k combine in front of the form.
 `arfusion::all_reduce` is the fast-path all-reduce of an all-reduce that is not a form.
