@@ -3,11 +3,11 @@
 `torchrun --nproc-per-node 2 tests/gpu/check_fallback_all_reduce.py --out DIR [--shared-gpu]`: per
 size (bf16, hidden 4096, 1 to 64 MiB per rank), the sum against an all-reduce of a copy, eagerly
 and replayed from a CUDA graph with new inputs, and the input left as it was; where the caller
-lets it overwrite its input (x_is_scratch), the sum in x itself. With NCCL (one GPU
-per rank) it is also timed in CUDA graphs against the in-place all-reduce a model's row-parallel
-output gets without the pass (`tuning.time_in_graph`, median us per call; the difference is the
-copy), and so is the fallback in place (expected: the in-place time). With --shared-gpu both ranks run on GPU 0 over gloo (what is computed, not speed). Writes
-DIR/fallback_all_reduce.json.
+lets it overwrite its input (x_is_scratch), the sum in x itself. With NCCL (one GPU per rank) it
+is also timed in CUDA graphs against the in-place all-reduce a model's row-parallel output gets
+without the pass (`tuning.time_in_graph`, median us per call; the difference is the copy), and
+so is the fallback in place (expected: the in-place time). With --shared-gpu both ranks run on
+GPU 0 over gloo (what is computed, not speed). Writes DIR/fallback_all_reduce.json.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def check(mib: int, device: torch.device, rank: int, group_name: str, nccl: bool
                                               dist.group.WORLD, 20, 20)
     row["in_place_us"] = tuning.time_in_graph(lambda: dist.all_reduce(inplace), dist.group.WORLD, 20, 20)
     row["fallback_in_place_us"] = tuning.time_in_graph(
-        lambda: execution.all_reduce_on_current_stream(inplace, group_name, x_is_scratch=True), dist.group.WORLD, 20, 20)
+        lambda: execution.all_reduce_on_current_stream(inplace, group_name, x_is_scratch=True),
+        dist.group.WORLD, 20, 20)
     return row
 
 
