@@ -292,3 +292,28 @@ def test_a_sole_read_input_is_all_reduced_in_place_and_any_other_is_left_alone(f
     assert scratch == [False, False]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=4e-2, rtol=2e-2)
+
+
+def test_sole_reader_follows_views_to_new_memory_and_nothing_else():
+    from arfusion.graph_utils import sole_reader
+
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    mm = g.call_function(aten.mm.default, (a, b))
+    hidden = g.call_function(aten._unsafe_view.default, (mm, [1, 4, 8]))  # a view its schema does not mark
+    reader = g.call_function(aten.relu.default, (hidden,))
+    view_of_input = g.call_function(aten.view.default, (a, [4, 8]))
+    reader_of_input = g.call_function(aten.relu.default, (view_of_input,))
+    shared = g.call_function(aten.mm.default, (a, b))  # its output read twice: through a view, and directly
+    view = g.call_function(aten.view.default, (shared, [32]))
+    reader_of_view = g.call_function(aten.relu.default, (view,))
+    other = g.call_function(aten.neg.default, (shared,))
+    unmarked = g.call_function(aten._unsafe_view.default, (shared, [32]))
+    reader_of_unmarked = g.call_function(aten.relu.default, (unmarked,))
+    g.output((reader, reader_of_input, reader_of_view, other, reader_of_unmarked))
+    assert sole_reader(hidden, reader) and sole_reader(mm, hidden)
+    assert not sole_reader(view_of_input, reader_of_input)  # a view of a graph input
+    assert not sole_reader(view, reader_of_view)  # the view is read once, its base more often
+    assert not sole_reader(unmarked, reader_of_unmarked)  # the same through _unsafe_view
+    assert not sole_reader(hidden, reader_of_input)  # not its reader
