@@ -168,7 +168,12 @@ def _fake(x, residual, weight, eps, eps_tensor, group_name, norm, quant, quant_s
 
 # The most outputs a form has (residual, norm, quant, scale: `core.Form.outputs`).
 MAX_OUTPUTS = 4
-_SIGNATURE = str(fused_allreduce_rmsnorm._schema)
+
+
+def _overwriting_x(op) -> str:
+    """`op`'s schema with x marked as written and MAX_OUTPUTS single tensors returned."""
+    arguments = str(op._schema).split("(Tensor x", 1)[1].rsplit(") ->", 1)[0]
+    return f"(Tensor(a!) x{arguments}) -> ({', '.join(['Tensor'] * MAX_OUTPUTS)})"
 
 
 def _padded(outs: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -182,8 +187,7 @@ def _padded(outs: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor,
 # functional op's, padded with empty tensors to MAX_OUTPUTS, since a mutating op must return
 # single tensors to be functionalized (torch's can_auto_functionalize); the pass calls it
 # through auto_functionalized and Inductor's re-inplacing pass (edits.fuse).
-@_op("fused_allreduce_rmsnorm_", schema=_SIGNATURE[_SIGNATURE.index("("):_SIGNATURE.rindex("->")].replace(
-    "(Tensor x,", "(Tensor(a!) x,") + "-> (" + ", ".join(["Tensor"] * MAX_OUTPUTS) + ")")
+@_op("fused_allreduce_rmsnorm_", schema=_overwriting_x(fused_allreduce_rmsnorm))
 def fused_allreduce_rmsnorm_(*args) -> tuple[torch.Tensor, ...]:
     return _padded(_run_fused(True, *args), args[0])
 
