@@ -106,7 +106,7 @@ class Call:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def flatten_tokens(t: torch.Tensor) -> torch.Tensor:

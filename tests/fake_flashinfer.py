@@ -4,8 +4,10 @@
 and `flashinfer.comm.mnnvl` in sys.modules with the calls arfusion makes: the workspace
 (`create_allreduce_fusion_workspace`, whose handle exchange runs over the group as the real one's
 does), `allreduce_fusion` for the pattern codes arfusion may pass (computed with arfusion's
-reference math over the group's real all-reduce, gloo on CPU), and the JIT module build. It
-returns the call log, which also injects failures. `remove_fake_flashinfer()` takes it out again.
+reference math over the group's real all-reduce, gloo on CPU), `trtllm_allreduce_fusion` (the
+kernel call under it, behind a deprecation wrapper, as in 0.7.2.post1), and the JIT module build.
+It returns the call log ("direct" counts kernel calls that skipped the unified API), which also
+injects failures. `remove_fake_flashinfer()` takes it out again.
 `H200` and `B200` are the device facts of a pretend SM90 and SM100 GPU.
 
 Used by tests/test_flashinfer_backend.py, tests/fault_cases.py and tests/test_moe_combine.py.
@@ -14,9 +16,11 @@ Nothing here says anything about FlashInfer's kernels.
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import sys
 import types
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -33,6 +37,13 @@ class FakeWorkspace:
         self.world_size, self.rank, self.group = world_size, rank, group
         self.max_token_num, self.hidden_dim, self.dtype = max_token_num, hidden_dim, dtype
         self.destroyed = False
+        self.pointers = torch.zeros(3, dtype=torch.int64)  # the real one: the peers' buffer addresses
+        self.metadata = {"max_token_num": max_token_num, "tp_size": world_size, "hidden_dim": hidden_dim,
+                         "use_fp32_lamport": dtype == torch.float32}
+
+    @property
+    def workspace_tensor(self):
+        return self.pointers
 
     def is_buffer_size_sufficient(self, tp_size, num_tokens, hidden_dim, dtype):
         return (tp_size == self.world_size and num_tokens * hidden_dim <= self.max_token_num * self.hidden_dim
@@ -45,7 +56,8 @@ class FakeWorkspace:
 def install_fake_flashinfer():
     """Register `flashinfer`, `flashinfer.comm`, `flashinfer.comm.trtllm_ar`; return the call log
     (its "fail_build" / "fail_create" entries inject failures)."""
-    calls = {"create": [], "fusion": [], "build": 0, "fail_build": False, "fail_create": False}
+    calls = {"create": [], "fusion": [], "build": 0, "direct": 0, "fail_build": False, "fail_create": False}
+    workspaces = {}  # id of a workspace's metadata -> the workspace
 
     def module(name):
         m = types.ModuleType(name)
@@ -89,8 +101,10 @@ def install_fake_flashinfer():
         # As the real one: the buffers' handles are exchanged over the group (the peers of a rank
         # that failed above wait here).
         (kw.get("comm_backend") or TorchDistBackend(kw["group"])).allgather(("handle", kw["rank"]))
-        return FakeWorkspace(kw["world_size"], kw["rank"], kw["max_token_num"], kw["hidden_dim"],
-                             kw["dtype"], kw["group"])
+        workspace = FakeWorkspace(kw["world_size"], kw["rank"], kw["max_token_num"], kw["hidden_dim"],
+                                  kw["dtype"], kw["group"])
+        workspaces[id(workspace.metadata)] = workspace
+        return workspace
 
     def allreduce_fusion(*, input, workspace, pattern, use_oneshot, fp32_acc, launch_with_pdl,
                          trigger_completion_at_end, residual_in=None, residual_out=None, norm_out=None,
@@ -151,6 +165,32 @@ def install_fake_flashinfer():
             fake_fp4_kernel(normed, quant_out, scale_out, scale_factor, rest["layout_code"])
         return norm_out if norm_out is not None else quant_out
 
+    def kernel_call(*, allreduce_in, world_size, world_rank, token_num, hidden_dim, workspace_ptrs,
+                    launch_with_pdl, use_oneshot, trigger_completion_at_end, fp32_acc, pattern_code,
+                    allreduce_out, residual_in, residual_out, norm_out, quant_out, scale_out, rms_gamma, rms_eps,
+                    scale_factor, layout_code, metadata=None, block_quant_group_size=None, weight_bias=None):
+        """0.7.2.post1's signature (every argument by name, as arfusion passes them); checked
+        against the workspace the pointers and metadata came from, then the unified fake."""
+        workspace = workspaces[id(metadata)]
+        assert (world_size, world_rank) == (workspace.world_size, workspace.rank)
+        assert workspace_ptrs is workspace.workspace_tensor or workspace_ptrs == workspace.workspace_tensor
+        assert (token_num, hidden_dim) == tuple(allreduce_in.shape) and allreduce_in.is_contiguous()
+        assert metadata["tp_size"] == world_size and token_num * hidden_dim <= metadata["max_token_num"] * hidden_dim
+        calls["direct"] += 1
+        return allreduce_fusion(input=allreduce_in, workspace=workspace, pattern=pattern_code, use_oneshot=use_oneshot,
+                                fp32_acc=fp32_acc, launch_with_pdl=launch_with_pdl,
+                                trigger_completion_at_end=trigger_completion_at_end, residual_in=residual_in,
+                                residual_out=residual_out, norm_out=norm_out, rms_gamma=rms_gamma, rms_eps=rms_eps,
+                                weight_bias=0.0 if weight_bias is None else weight_bias, quant_out=quant_out,
+                                scale_out=scale_out, scale_factor=scale_factor, output=allreduce_out,
+                                layout_code=layout_code)
+
+    @functools.wraps(kernel_call)  # as FlashInfer's @deprecated: a warning, then the call
+    def trtllm_allreduce_fusion(*args, **kwargs):
+        warnings.warn("use the unified API allreduce.py instead. It will internally call trtllm_allreduce_fusion.",
+                      DeprecationWarning, stacklevel=2)
+        return kernel_call(*args, **kwargs)
+
     comm.AllReduceFusionPattern = types.SimpleNamespace(
         kAllReduce=0, kARResidualRMSNorm=1, kARResidualRMSNormFP8Quant=2, kARResidualRMSNormFP4Quant=3,
         kARResidualRMSNormOutFP8Quant=4, kARResidualRMSNormOutFP4Quant=5,
@@ -158,6 +198,7 @@ def install_fake_flashinfer():
         kARResidualRMSNormDynamicFP8Quant=10, kARResidualRMSNormOutDynamicFP8Quant=11)
     comm.create_allreduce_fusion_workspace = create_allreduce_fusion_workspace
     comm.allreduce_fusion = allreduce_fusion
+    comm.trtllm_allreduce_fusion = trtllm_allreduce_fusion
     trtllm.get_trtllm_comm_module = get_trtllm_comm_module
     return calls
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -282,7 +283,14 @@ def _worker(rank, world, init_file, out_dir):
                       failed=backend._groups.current(group.group_name).failed,
                       declined=declined and declined.code.value, declined_message=declined and declined.message)
 
-    scenario("ok", dist.group.WORLD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        direct_before = calls["direct"]
+        scenario("ok", dist.group.WORLD)
+    results["ok"]["direct"] = calls["direct"] - direct_before
+    results["ok"]["deprecations"] = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+                                     and "unified API" in str(w.message)]
+    results["unified"] = unified_scenario(calls, dist.group.WORLD.group_name, rank)
     results["quant"] = quant_scenario(calls, dist.group.WORLD.group_name, rank)
     # Fresh groups over the same ranks: each gets its own workspace negotiation.
     scenario("fail_build", dist.new_group([0, 1]))
@@ -291,6 +299,32 @@ def _worker(rank, world, init_file, out_dir):
     backend.close()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, default=str))
     dist.destroy_process_group()
+
+
+def unified_scenario(calls, group_name, rank):
+    """A FlashInfer without `trtllm_allreduce_fusion`: the unified `allreduce_fusion` runs the
+    kernel instead, with the same results (a fused site, then a plain all-reduce)."""
+    comm = sys.modules["flashinfer.comm"]
+    kernel = comm.trtllm_allreduce_fusion
+    del comm.trtllm_allreduce_fusion
+    fi._kernel_call.cache_clear()
+    direct, fusion, errors = calls["direct"], len(calls["fusion"]), []
+    try:
+        torch.manual_seed(3 + rank)
+        x, res = torch.randn(2, 8, 64, dtype=torch.bfloat16).unbind(0)
+        w = (0.1 * torch.randn(64)).to(torch.bfloat16)
+        got = torch.ops.arfusion.fused_allreduce_rmsnorm(
+            x=x, residual=res, weight=w, eps=1e-6, eps_tensor=None, group_name=group_name, norm="rms",
+            quant="none", quant_scale=None, emit_norm=True, backend="flashinfer")
+        want = reference.unfused(x, res, w, 1e-6, group_name, PLAIN)
+        errors += [i for i, (g, r) in enumerate(zip(got, want)) if not torch.allclose(g.float(), r.float(),
+                                                                                         atol=0.05, rtol=0.02)]
+        plain = torch.ops.arfusion.all_reduce(x=x, group_name=group_name, backend="flashinfer")
+        errors += ["plain"] if not torch.equal(plain, reference.all_reduce_sum(x, group_name)) else []
+    finally:
+        comm.trtllm_allreduce_fusion = kernel
+        fi._kernel_call.cache_clear()
+    return {"direct": calls["direct"] - direct, "unified": len(calls["fusion"]) - fusion, "errors": errors}
 
 
 QUANT_SITES = [Form(residual=r, norm=n, quant=q, emit_norm=e)
@@ -386,10 +420,19 @@ def test_workspace_created_once_per_group_reused_and_grown(two_rank_results):
         assert fusion[3]["residual_all_zero"]
         assert fusion[2]["use_oneshot"] and not fusion[100]["use_oneshot"] and fusion[8]["use_oneshot"]
         assert result["dispatch"] == {"flashinfer": 4, "flashinfer all-reduce": 2}  # forced calls: the kernel alone
+        # Every kernel call went straight to trtllm_allreduce_fusion, past its deprecation warning.
+        assert result["direct"] == len(result["fusion"]) == 8 and result["deprecations"] == []
         plain = [f for f in result["fusion"] if f["pattern"] == 0]
         assert [f["tokens"] for f in plain] == [10, 40] and all(
             f["use_oneshot"] and f["output"] and not f["residual_in"] and not f["rms_gamma"] and f["fp32_acc"]
             and f["trigger_at_end"] for f in plain)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_flashinfer_without_the_kernel_call_runs_the_unified_api(two_rank_results):
+    for results in two_rank_results:
+        assert results["unified"] == {"direct": 0, "unified": 2, "errors": []}
 
 
 @pytest.mark.parametrize("name", ["fail_build", "fail_create", "low_memory"])

@@ -8,9 +8,10 @@ An all-reduce that is not a site runs the plain one-shot kernel (kAllReduce) on 
 workspace. The MoE finalize kernel is in flashinfer_moe.py, the quantized all-reduce in
 flashinfer_codec.py, the ranks' set-up agreement in flashinfer_exchange.py.
 
-Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`
-and `allreduce_fusion`, always with backend="trtllm". "auto" would pick "mnnvl" on NVSwitch
-machines, which uses NVLink multicast: not allowed on shared machines and not needed on one node.
+Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`,
+always with backend="trtllm" ("auto" would pick "mnnvl" on NVSwitch machines, which uses NVLink
+multicast: not allowed on shared machines and not needed on one node), and the kernel call
+`trtllm_allreduce_fusion` (`_kernel_call`).
 
 The per-group workspace lives inside the op, at run time (a warm FX-graph cache skips the pass):
   * made on the first eager call that wants it, never during capture (a capture without one declines);
@@ -27,6 +28,7 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import logging
 import math
 import socket
@@ -50,7 +52,7 @@ from .base import Backend, Capabilities, over_cap
 
 log = logging.getLogger("arfusion")
 
-# The unified allreduce_fusion calls FlashInfer's deprecated entry point on every call.
+# FlashInfer's deprecated entry points, where one is called (see _kernel_call).
 warnings.filterwarnings("ignore", message="use the unified API allreduce.py", category=DeprecationWarning)
 
 FI_BACKEND = "trtllm"  # the only FlashInfer backend this module ever asks for
@@ -67,6 +69,25 @@ QUANT_KERNELS = {
 }
 IN_KERNEL_QUANTS = ("fp8_static", "fp8_dynamic", "nvfp4")  # FlashInfer writes quant (and scale) itself
 NVFP4_LINEAR_LAYOUT = 2  # block scales row-major [T, H/16], as the reference and torchao's unswizzled quantizer
+
+
+# The kernel's arguments that name tensors or values of one call, as `trtllm_allreduce_fusion`
+# takes them (0.7.2.post1); the unified `allreduce_fusion` names allreduce_out "output".
+KERNEL_ARGS = ("allreduce_out", "residual_in", "residual_out", "norm_out", "quant_out", "scale_out", "rms_gamma",
+               "rms_eps", "scale_factor", "layout_code", "weight_bias")
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel_call(fic) -> Any:
+    """`flashinfer.comm.trtllm_allreduce_fusion` without its deprecation wrapper, or None where this
+    FlashInfer lacks it. The unified `allreduce_fusion` calls it on every call after checks for
+    other backends' workspaces and an allocation of an all-reduce output that the fused patterns
+    never write (trtllm_allreduce_fusion.cuh: kHasAllReduceOut is kAllReduce's only); with the
+    wrapper's warning that is ~28 us of host time per call on an H200 host, paid by every site
+    of a step that is not a CUDA-graph replay (vLLM calls it directly too). It still checks the
+    call against the workspace's metadata."""
+    entry = getattr(fic, "trtllm_allreduce_fusion", None)
+    return None if entry is None else inspect.unwrap(entry)
 
 
 @dataclass(frozen=True)
@@ -233,7 +254,7 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
     def _create_workspace(self, state: _GroupState, call: Call, wanted_bytes: int) -> str | None:
         """Collective over the call's group; every rank returns the same verdict."""
         started = time.perf_counter()
-        itemsize = torch.empty((), dtype=call.dtype).element_size()
+        itemsize = call.dtype.itemsize
         max_tokens = max(1, math.ceil(wanted_bytes / (call.hidden * itemsize)))
         workspace, error = self._new_workspace(call, max_tokens)
         if error:
@@ -305,15 +326,11 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
             scale_out = torch.empty(tokens, hidden // quant.NVFP4_BLOCK, dtype=torch.float8_e4m3fn,
                                     device=x2.device)
             scale_factor, layout_code = _fp4_scale_factor(quant_scale, x2.device), NVFP4_LINEAR_LAYOUT
-        fic.allreduce_fusion(
-            input=x2, workspace=state.workspace,
-            pattern=getattr(fic.AllReduceFusionPattern, QUANT_KERNELS[site.quant][site.emit_norm]),
-            launch_with_pdl=self.launch_with_pdl, trigger_completion_at_end=True,
-            residual_out=produced["residual"], norm_out=produced["norm"], residual_in=residual_in,
-            quant_out=quant_out, scale_out=scale_out, scale_factor=scale_factor, layout_code=layout_code,
-            rms_gamma=weight.contiguous(), rms_eps=float(eps),
-            use_oneshot=self.use_oneshot(call), fp32_acc=self.fp32_acc,
-            weight_bias=1.0 if site.norm == "gemma_rms" else 0.0)
+        self._launch(fic, call, x2, getattr(fic.AllReduceFusionPattern, QUANT_KERNELS[site.quant][site.emit_norm]),
+                     residual_out=produced["residual"], norm_out=produced["norm"], residual_in=residual_in,
+                     quant_out=quant_out, scale_out=scale_out, scale_factor=scale_factor, layout_code=layout_code,
+                     rms_gamma=weight.contiguous(), rms_eps=float(eps),
+                     weight_bias=1.0 if site.norm == "gemma_rms" else 0.0)
         if in_kernel:
             produced.update(quant=quant_out, scale=scale_out)
         elif site.quant == "fp8_group":
@@ -348,11 +365,24 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
     def all_reduce(self, call: Call, x: torch.Tensor) -> torch.Tensor:
         fic = importlib.import_module("flashinfer.comm")
         out = torch.empty_like(x)
-        fic.allreduce_fusion(
-            input=x, workspace=self._groups[call.group_name].workspace,
-            pattern=fic.AllReduceFusionPattern.kAllReduce, launch_with_pdl=self.launch_with_pdl,
-            trigger_completion_at_end=True, output=out, use_oneshot=self.use_oneshot(call), fp32_acc=self.fp32_acc)
+        self._launch(fic, call, x, fic.AllReduceFusionPattern.kAllReduce, allreduce_out=out)
         return out
+
+    def _launch(self, fic, call: Call, x2: torch.Tensor, pattern, **tensors) -> None:
+        """FlashInfer's fusion kernel for `pattern` on the group's workspace: x2 a dense [T, H],
+        `tensors` named as KERNEL_ARGS (the rest None), every tensor dense (the kernel reads
+        data pointers only). Through `_kernel_call`, or the unified API where that is missing."""
+        workspace = self._groups[call.group_name].workspace
+        knobs = dict(launch_with_pdl=self.launch_with_pdl, trigger_completion_at_end=True, fp32_acc=self.fp32_acc,
+                     use_oneshot=self.use_oneshot(call))
+        kernel = _kernel_call(fic)
+        if kernel is None:
+            output = tensors.pop("allreduce_out", None)
+            fic.allreduce_fusion(input=x2, workspace=workspace, pattern=pattern, output=output, **knobs, **tensors)
+            return
+        kernel(allreduce_in=x2, world_size=workspace.world_size, world_rank=workspace.rank, token_num=x2.shape[0],
+               hidden_dim=x2.shape[1], workspace_ptrs=workspace.workspace_tensor, pattern_code=pattern,
+               metadata=workspace.metadata, **knobs, **{name: tensors.get(name) for name in KERNEL_ARGS})
 
     def workspace(self, group_name: str):
         """The live workspace of a group, or None (benchmarks use it to call FlashInfer directly)."""

@@ -12,8 +12,10 @@ site costs is the step's time. This probe measures it, per rank, for a decode-si
 - chains of K sites (matmul -> all-reduce -> residual add -> RMSNorm, as a decoder's), compiled
   in default mode without and with the pass, K = 1 and 16: the host time per site is the slope.
 
-Host time: calls queued without a synchronize, divided by their number (medians of 15 runs);
-wall time: the same calls to the end of the last kernel. Both ranks run the same calls.
+Host time: calls queued without a synchronize, divided by their number (medians of 15 runs,
+garbage collection paused); wall time: the same calls to the end of the last kernel. Both ranks
+run the same calls. --profile N: also where a component's host time goes (cProfile of N calls,
+rank 0, the 25 heaviest functions by own time) into DIR/profile_*.txt.
 
 --shared-gpu: both ranks on GPU 0 (tests/gpu/shared_gpu.py): FlashInfer's world-2 kernels run
 there and their host path is the real one, but the ranks take turns on the GPU, so wall times
@@ -24,6 +26,10 @@ NCCL group per rank (the same host path, no peer). On two GPUs: NCCL, one group 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import io
+import pstats
 import functools
 import json
 import os
@@ -45,7 +51,7 @@ import arfusion.ops  # noqa: E402,F401  (registers torch.ops.arfusion.*)
 from arfusion import execution  # noqa: E402
 from arfusion.policy import Caps  # noqa: E402
 
-HIDDEN, EPS, RUNS = 4096, 1e-5, 15
+HIDDEN, EPS, RUNS = int(os.environ.get("PROBE_HIDDEN", 4096)), 1e-5, 15
 
 
 def rms(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -71,6 +77,7 @@ def timed(fn, calls: int, world) -> dict:
         fn()
     sync()
     host, wall = [], []
+    gc.disable()
     for _ in range(RUNS):
         dist.barrier(group=world)
         sync()
@@ -82,14 +89,54 @@ def timed(fn, calls: int, world) -> dict:
         ended = time.perf_counter()
         host.append((queued - began) / calls * 1e6)
         wall.append((ended - began) / calls * 1e6)
+    gc.enable()
     return {"host_us": statistics.median(host), "host_range": [min(host), max(host)],
             "wall_us": statistics.median(wall), "calls": calls}
+
+
+def flashinfer_layers(ws, backend, x, residual, weight) -> dict:
+    """FlashInfer's public `allreduce_fusion`, and the module function under it that calls the
+    kernel (its deprecated wrapper's and the unified API's checks skipped), for a residual site."""
+    from flashinfer import comm as fic
+    from flashinfer.comm import trtllm_ar
+
+    kernel = trtllm_ar.get_trtllm_comm_module().trtllm_allreduce_fusion
+    pattern = fic.AllReduceFusionPattern.kARResidualRMSNorm
+    out_residual, out_norm = torch.empty_like(x), torch.empty_like(x)
+    common = dict(launch_with_pdl=backend.launch_with_pdl, trigger_completion_at_end=True, residual_in=residual,
+                  residual_out=out_residual, norm_out=out_norm, quant_out=None, scale_out=None, rms_gamma=weight,
+                  rms_eps=EPS, scale_factor=None, layout_code=None, use_oneshot=True, fp32_acc=backend.fp32_acc,
+                  weight_bias=0.0)
+    return {
+        "FlashInfer allreduce_fusion (outputs preallocated)":
+            lambda: fic.allreduce_fusion(input=x, workspace=ws, pattern=pattern, **common),
+        "FlashInfer's module function under it (outputs preallocated)":
+            lambda: kernel(allreduce_in=x, world_size=ws.world_size, world_rank=ws.rank, token_num=x.shape[0],
+                           hidden_dim=x.shape[-1], workspace_ptrs=ws.workspace_tensor, pattern_code=pattern,
+                           allreduce_out=None, block_quant_group_size=None, **common),
+    }
+
+
+def profiled(fn, calls: int) -> str:
+    """cProfile of `calls` calls of fn (a synchronize every 50: the launch queue stays short)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for i in range(calls):
+        fn()
+        if i % 50 == 49:
+            sync()
+    profile.disable()
+    sync()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shared-gpu", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N")
     args = p.parse_args()
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     cuda = torch.cuda.is_available()
@@ -141,11 +188,20 @@ def main() -> int:
             "arfusion::fused_allreduce_rmsnorm_": lambda: torch.ops.arfusion.fused_allreduce_rmsnorm_.default(
                 scratch, residual, w_norm, EPS, None, fused_group, "rms", "none", None, True, backend_name),
         }
+        if backend_name == "flashinfer":  # FlashInfer's own layers, outputs preallocated
+            components.update(flashinfer_layers(backend.workspace(fused_group), backend, x, residual, w_norm))
         results["components"] = {}
         for name, fn in components.items():
             results["components"][name] = row = timed(fn, 100, world)
             say(f"{name}: host {row['host_us']:.1f} us/call (range {row['host_range'][0]:.1f}-"
                 f"{row['host_range'][1]:.1f}), wall {row['wall_us']:.1f}")
+
+        if args.profile:
+            for i, (name, fn) in enumerate(components.items()):
+                text = profiled(fn, args.profile)
+                if rank == 0 and args.out:
+                    Path(args.out).mkdir(parents=True, exist_ok=True)
+                    Path(args.out, f"profile_{i}.txt").write_text(f"{name}: {args.profile} calls\n{text}")
 
         results["chains"] = {}
         for config in ("off", "on"):
