@@ -32,6 +32,11 @@ H200 = fi.DeviceFacts((9, 0), "NVIDIA H200", "GPU-fake-0")
 B200 = fi.DeviceFacts((10, 0), "NVIDIA B200", "GPU-fake-0")
 
 
+class FlashInferDeprecation(DeprecationWarning):
+    """The warning of the stand-in's deprecated entry point (a class of its own, so tests can
+    count it among torch's)."""
+
+
 class FakeWorkspace:
     def __init__(self, world_size, rank, max_token_num, hidden_dim, dtype, group):
         self.world_size, self.rank, self.group = world_size, rank, group
@@ -188,7 +193,7 @@ def install_fake_flashinfer():
     @functools.wraps(kernel_call)  # as FlashInfer's @deprecated: a warning, then the call
     def trtllm_allreduce_fusion(*args, **kwargs):
         warnings.warn("use the unified API allreduce.py instead. It will internally call trtllm_allreduce_fusion.",
-                      DeprecationWarning, stacklevel=2)
+                      FlashInferDeprecation, stacklevel=2)
         return kernel_call(*args, **kwargs)
 
     comm.AllReduceFusionPattern = types.SimpleNamespace(

@@ -23,10 +23,11 @@ import torch.multiprocessing as mp
 from arfusion import core, reference, runtime, tuning
 from arfusion.backends import flashinfer as fi
 from arfusion.backends import flashinfer_dispatch as dispatch
+from arfusion.backends import flashinfer_kernel
 from arfusion.core import Call, Form
 from arfusion.decisions import Why
 
-from .fake_flashinfer import B200, H200, install_fake_flashinfer, remove_fake_flashinfer
+from .fake_flashinfer import B200, H200, FlashInferDeprecation, install_fake_flashinfer, remove_fake_flashinfer
 
 MiB = dispatch.MiB
 CUDA = torch.device("cuda", 0)
@@ -288,8 +289,7 @@ def _worker(rank, world, init_file, out_dir):
         direct_before = calls["direct"]
         scenario("ok", dist.group.WORLD)
     results["ok"]["direct"] = calls["direct"] - direct_before
-    results["ok"]["deprecations"] = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
-                                     and "unified API" in str(w.message)]
+    results["ok"]["deprecations"] = [str(w.message) for w in caught if issubclass(w.category, FlashInferDeprecation)]
     results["unified"] = unified_scenario(calls, dist.group.WORLD.group_name, rank)
     results["quant"] = quant_scenario(calls, dist.group.WORLD.group_name, rank)
     # Fresh groups over the same ranks: each gets its own workspace negotiation.
@@ -307,7 +307,7 @@ def unified_scenario(calls, group_name, rank):
     comm = sys.modules["flashinfer.comm"]
     kernel = comm.trtllm_allreduce_fusion
     del comm.trtllm_allreduce_fusion
-    fi._kernel_call.cache_clear()
+    flashinfer_kernel.kernel_call.cache_clear()
     direct, fusion, errors = calls["direct"], len(calls["fusion"]), []
     try:
         torch.manual_seed(3 + rank)
@@ -323,7 +323,7 @@ def unified_scenario(calls, group_name, rank):
         errors += ["plain"] if not torch.equal(plain, reference.all_reduce_sum(x, group_name)) else []
     finally:
         comm.trtllm_allreduce_fusion = kernel
-        fi._kernel_call.cache_clear()
+        flashinfer_kernel.kernel_call.cache_clear()
     return {"direct": calls["direct"] - direct, "unified": len(calls["fusion"]) - fusion, "errors": errors}
 
 

@@ -10,8 +10,8 @@ flashinfer_codec.py, the ranks' set-up agreement in flashinfer_exchange.py.
 
 Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`,
 always with backend="trtllm" ("auto" would pick "mnnvl" on NVSwitch machines, which uses NVLink
-multicast: not allowed on shared machines and not needed on one node), and the kernel call
-`trtllm_allreduce_fusion` (`_kernel_call`).
+multicast: not allowed on shared machines and not needed on one node), and its kernel call
+(flashinfer_kernel.py).
 
 The per-group workspace lives inside the op, at run time (a warm FX-graph cache skips the pass):
   * made on the first eager call that wants it, never during capture (a capture without one declines);
@@ -28,7 +28,6 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
 import logging
 import math
 import socket
@@ -46,13 +45,14 @@ from ..core import NORM_FORMS, Call, flatten_tokens
 from ..runtime import PerGroup, all_ranks_agree, comm_device, hash63, outside_graph_pools
 from . import flashinfer_dispatch as dispatch
 from . import flashinfer_exchange as exchange
+from . import flashinfer_kernel as kernel
 from .flashinfer_moe import FinalizeWorkspaces, MoEFinalize
 from .flashinfer_codec import WORLD_SIZES, QuantizedAllReduce
 from .base import Backend, Capabilities, over_cap
 
 log = logging.getLogger("arfusion")
 
-# FlashInfer's deprecated entry points, where one is called (see _kernel_call).
+# FlashInfer's deprecated entry points, where one is called (flashinfer_kernel.py).
 warnings.filterwarnings("ignore", message="use the unified API allreduce.py", category=DeprecationWarning)
 
 FI_BACKEND = "trtllm"  # the only FlashInfer backend this module ever asks for
@@ -69,25 +69,6 @@ QUANT_KERNELS = {
 }
 IN_KERNEL_QUANTS = ("fp8_static", "fp8_dynamic", "nvfp4")  # FlashInfer writes quant (and scale) itself
 NVFP4_LINEAR_LAYOUT = 2  # block scales row-major [T, H/16], as the reference and torchao's unswizzled quantizer
-
-
-# The kernel's arguments that name tensors or values of one call, as `trtllm_allreduce_fusion`
-# takes them (0.7.2.post1); the unified `allreduce_fusion` names allreduce_out "output".
-KERNEL_ARGS = ("allreduce_out", "residual_in", "residual_out", "norm_out", "quant_out", "scale_out", "rms_gamma",
-               "rms_eps", "scale_factor", "layout_code", "weight_bias")
-
-
-@functools.lru_cache(maxsize=4)
-def _kernel_call(fic) -> Any:
-    """`flashinfer.comm.trtllm_allreduce_fusion` without its deprecation wrapper, or None where this
-    FlashInfer lacks it. The unified `allreduce_fusion` calls it on every call after checks for
-    other backends' workspaces and an allocation of an all-reduce output that the fused patterns
-    never write (trtllm_allreduce_fusion.cuh: kHasAllReduceOut is kAllReduce's only); with the
-    wrapper's warning that is ~28 us of host time per call on an H200 host, paid by every site
-    of a step that is not a CUDA-graph replay (vLLM calls it directly too). It still checks the
-    call against the workspace's metadata."""
-    entry = getattr(fic, "trtllm_allreduce_fusion", None)
-    return None if entry is None else inspect.unwrap(entry)
 
 
 @dataclass(frozen=True)
@@ -369,20 +350,9 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
         return out
 
     def _launch(self, fic, call: Call, x2: torch.Tensor, pattern, **tensors) -> None:
-        """FlashInfer's fusion kernel for `pattern` on the group's workspace: x2 a dense [T, H],
-        `tensors` named as KERNEL_ARGS (the rest None), every tensor dense (the kernel reads
-        data pointers only). Through `_kernel_call`, or the unified API where that is missing."""
-        workspace = self._groups[call.group_name].workspace
-        knobs = dict(launch_with_pdl=self.launch_with_pdl, trigger_completion_at_end=True, fp32_acc=self.fp32_acc,
-                     use_oneshot=self.use_oneshot(call))
-        kernel = _kernel_call(fic)
-        if kernel is None:
-            output = tensors.pop("allreduce_out", None)
-            fic.allreduce_fusion(input=x2, workspace=workspace, pattern=pattern, output=output, **knobs, **tensors)
-            return
-        kernel(allreduce_in=x2, world_size=workspace.world_size, world_rank=workspace.rank, token_num=x2.shape[0],
-               hidden_dim=x2.shape[1], workspace_ptrs=workspace.workspace_tensor, pattern_code=pattern,
-               metadata=workspace.metadata, **knobs, **{name: tensors.get(name) for name in KERNEL_ARGS})
+        kernel.launch(fic, self._groups[call.group_name].workspace, x2, pattern, tensors,
+                      launch_with_pdl=self.launch_with_pdl, trigger_completion_at_end=True, fp32_acc=self.fp32_acc,
+                      use_oneshot=self.use_oneshot(call))
 
     def workspace(self, group_name: str):
         """The live workspace of a group, or None (benchmarks use it to call FlashInfer directly)."""

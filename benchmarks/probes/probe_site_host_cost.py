@@ -95,26 +95,31 @@ def timed(fn, calls: int, world) -> dict:
 
 
 def flashinfer_layers(ws, backend, x, residual, weight) -> dict:
-    """FlashInfer's public `allreduce_fusion`, and the module function under it that calls the
-    kernel (its deprecated wrapper's and the unified API's checks skipped), for a residual site."""
+    """FlashInfer's unified `allreduce_fusion`, and the kernel call arfusion makes instead
+    (flashinfer_kernel.py), for a residual site with its outputs preallocated."""
     from flashinfer import comm as fic
-    from flashinfer.comm import trtllm_ar
 
-    kernel = trtllm_ar.get_trtllm_comm_module().trtllm_allreduce_fusion
+    from arfusion.backends import flashinfer_kernel
+
     pattern = fic.AllReduceFusionPattern.kARResidualRMSNorm
-    out_residual, out_norm = torch.empty_like(x), torch.empty_like(x)
-    common = dict(launch_with_pdl=backend.launch_with_pdl, trigger_completion_at_end=True, residual_in=residual,
-                  residual_out=out_residual, norm_out=out_norm, quant_out=None, scale_out=None, rms_gamma=weight,
-                  rms_eps=EPS, scale_factor=None, layout_code=None, use_oneshot=True, fp32_acc=backend.fp32_acc,
-                  weight_bias=0.0)
+    knobs = dict(launch_with_pdl=backend.launch_with_pdl, trigger_completion_at_end=True, use_oneshot=True,
+                 fp32_acc=backend.fp32_acc)
+    outs = dict(residual_in=residual, residual_out=torch.empty_like(x), norm_out=torch.empty_like(x),
+                rms_gamma=weight, rms_eps=EPS, weight_bias=0.0)
     return {
         "FlashInfer allreduce_fusion (outputs preallocated)":
-            lambda: fic.allreduce_fusion(input=x, workspace=ws, pattern=pattern, **common),
-        "FlashInfer's module function under it (outputs preallocated)":
-            lambda: kernel(allreduce_in=x, world_size=ws.world_size, world_rank=ws.rank, token_num=x.shape[0],
-                           hidden_dim=x.shape[-1], workspace_ptrs=ws.workspace_tensor, pattern_code=pattern,
-                           allreduce_out=None, block_quant_group_size=None, **common),
+            lambda: fic.allreduce_fusion(input=x, workspace=ws, pattern=pattern, **knobs, **outs),
+        "FlashInfer trtllm_allreduce_fusion, as arfusion calls it (outputs preallocated)":
+            lambda: flashinfer_kernel.launch(fic, ws, x, pattern, dict(outs), **knobs),
     }
+
+
+def skip_kernel() -> None:
+    """From here on arfusion's FlashInfer calls stop short of the kernel: what is left of the
+    fused path is host time alone (its outputs are left unwritten)."""
+    from arfusion.backends import flashinfer_kernel
+
+    flashinfer_kernel.kernel_call = lambda fic: (lambda **arguments: None)
 
 
 def profiled(fn, calls: int) -> str:
@@ -130,6 +135,34 @@ def profiled(fn, calls: int) -> str:
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
     return text.getvalue()
+
+
+def options_on(backend_name: str) -> dict:
+    return arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend=backend_name))
+
+
+def measure(components: dict, world, say) -> dict:
+    rows = {}
+    for name, fn in components.items():
+        rows[name] = row = timed(fn, 100, world)
+        say(f"{name}: host {row['host_us']:.1f} us/call (range {row['host_range'][0]:.1f}-"
+            f"{row['host_range'][1]:.1f}), wall {row['wall_us']:.1f}")
+    return rows
+
+
+def chains(configs: dict, inputs: tuple, world, say) -> dict:
+    """Each config's chain of 1 and of 16 sites, compiled in default mode, timed."""
+    rows = {}
+    for config, (options, group) in configs.items():
+        for sites in (1, 16):
+            arfusion.reset_stats()
+            torch._dynamo.reset()
+            fn = torch.compile(functools.partial(chain, group_name=group, sites=sites), options=options)
+            rows[f"{config} K={sites}"] = row = timed(functools.partial(fn, *inputs), 8, world)
+            row["stats"] = {k: v for k, v in arfusion.stats().items() if k in ("fused_sites", "dispatch")}
+            say(f"chain {config} K={sites}: host {row['host_us']:.1f} us/call, wall {row['wall_us']:.1f}; "
+                f"{row['stats']}")
+    return rows
 
 
 def main() -> int:
@@ -179,7 +212,7 @@ def main() -> int:
         components = {
             "aten clone (one launch)": lambda: x.clone(),
             "Inductor's all-reduce (all_reduce_ + wait_tensor, with a clone)": unfused_all_reduce,
-            "the backend's run (FlashInfer: allreduce_fusion + output allocation)":
+            "the backend's run (FlashInfer: the kernel call + output allocation)":
                 lambda: backend.run(call, x, residual, w_norm, EPS, None),
             "execution.run_fused": lambda: execution.run_fused(x, residual, w_norm, EPS, fused_group, form, None,
                                                                backend_name, caps),
@@ -190,12 +223,8 @@ def main() -> int:
         }
         if backend_name == "flashinfer":  # FlashInfer's own layers, outputs preallocated
             components.update(flashinfer_layers(backend.workspace(fused_group), backend, x, residual, w_norm))
-        results["components"] = {}
-        for name, fn in components.items():
-            results["components"][name] = row = timed(fn, 100, world)
-            say(f"{name}: host {row['host_us']:.1f} us/call (range {row['host_range'][0]:.1f}-"
-                f"{row['host_range'][1]:.1f}), wall {row['wall_us']:.1f}")
-
+        ours = [name for name in components if "arfusion" in name or "run" in name]
+        results["components"] = measure(components, world, say)
         if args.profile:
             for i, (name, fn) in enumerate(components.items()):
                 text = profiled(fn, args.profile)
@@ -203,28 +232,20 @@ def main() -> int:
                     Path(args.out).mkdir(parents=True, exist_ok=True)
                     Path(args.out, f"profile_{i}.txt").write_text(f"{name}: {args.profile} calls\n{text}")
 
-        results["chains"] = {}
-        for config in ("off", "on"):
-            options = (arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True,
-                                                                      backend=backend_name))
-                       if config == "on" else {})
-            group = fused_group if config == "on" else nccl_group
-            for sites in (1, 16):
-                arfusion.reset_stats()
-                torch._dynamo.reset()
-                fn = torch.compile(functools.partial(chain, group_name=group, sites=sites), options=options)
-                step = functools.partial(fn, x, residual, w_norm, w_mm)
-                row = timed(step, 8, world)
-                row["stats"] = {k: v for k, v in arfusion.stats().items() if k in ("fused_sites", "dispatch")}
-                results["chains"][f"{config} K={sites}"] = row
-                say(f"chain {config} K={sites}: host {row['host_us']:.1f} us/call, wall {row['wall_us']:.1f}; "
-                    f"{row['stats']}")
+        configs = {"off": ({}, nccl_group), "on": (options_on(backend_name), fused_group)}
+        results["chains"] = chains(configs, (x, residual, w_norm, w_mm), world, say)
+        if backend_name == "flashinfer":  # the same without the kernel: host time alone, no GPU turns
+            skip_kernel()
+            say("-- the kernel skipped")
+            results["components, kernel skipped"] = measure({k: components[k] for k in ours}, world, say)
+            results["chains"].update(chains({"on, kernel skipped": configs["on"]}, (x, residual, w_norm, w_mm),
+                                            world, say))
         per_site = {}
-        for config in ("off", "on"):
+        for config in {name.split(" K=")[0] for name in results["chains"]}:
             one, many = results["chains"][f"{config} K=1"], results["chains"][f"{config} K=16"]
             per_site[config] = (many["host_us"] - one["host_us"]) / 15
         results["host_us_per_site"] = per_site
-        say(f"host us per site (slope K=1..16): off {per_site['off']:.1f}, on {per_site['on']:.1f}")
+        say("host us per site (slope K=1..16): " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_site.items())))
 
     if rank == 0 and args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
