@@ -7,16 +7,19 @@ ranks of a group take the same path.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from . import reference, stats
 from .backends import resolve
+from .backends.base import tables_version
 from .core import PLAIN, Call, Form
 from .decisions import Reason, Why
 from .policy import (Caps, Route, compiles_fallback, current_stream_pays, moe_combine_refusal, plain_refusal,
                      route)
-from .runtime import capturing, compiled, group_size, log_once, outside_graph_pools, scalar_value
+from .runtime import capturing, compiled, group_size, log_once, outside_graph_pools, resolve_group, scalar_value
 
 EPS_IN_CAPTURE = Reason(Why.RUNTIME, "eps is a GPU tensor not read before this CUDA-graph capture")
 
@@ -105,7 +108,41 @@ def eps_value(eps: torch.Tensor) -> float | torch.Tensor:
 
 
 def form_of(residual, norm, quant, emit_norm) -> Form:
-    return Form(residual=residual is not None, norm=norm, quant=quant, emit_norm=emit_norm)
+    return _form(residual is not None, norm, quant, emit_norm)
+
+
+@functools.lru_cache(maxsize=None)
+def _form(residual: bool, norm: str, quant: str, emit_norm: bool) -> Form:  # one per form, not per call
+    return Form(residual=residual, norm=norm, quant=quant, emit_norm=emit_norm)
+
+
+# What `resolve` and `policy.route` answer for a call depends on its signature alone (and on the
+# backends' tables: base.tables_version), so each signature is routed once and looked up after:
+# outside CUDA-graph replays every site pays this path on every step.
+_routes: dict[tuple, tuple] = {}
+ROUTES_KEPT = 4096  # signatures remembered (dynamic shapes make one per token count); then afresh
+
+
+def routed(x, weight, group_name: str, form: Form, backend: str, caps: Caps, codec: str | None,
+           scaled: bool) -> tuple[Call, object, Route, Reason | None]:
+    """(call, backend or None, route, why not) for a fused call: `policy.route`'s answer, remembered
+    by signature. The group object is part of it: a name given again to another group (a new world
+    after destroy_process_group) is routed afresh."""
+    group = resolve_group(group_name)
+    key = (form, x.shape, x.dtype, weight.dtype, x.device, group, group_name, backend, caps, codec, scaled,
+           tables_version())
+    hit = _routes.get(key)
+    if hit is None:
+        world = group.size() if group is not None else group_size(group_name)
+        call = Call.of_tensors(form, x, weight, world, group_name, input_scaled=scaled)
+        chosen, reason = resolve(backend, x.device)
+        path = Route.UNFUSED
+        if chosen is not None:
+            path, reason = route(chosen, call, caps, codec)
+        if len(_routes) >= ROUTES_KEPT:
+            _routes.clear()
+        hit = _routes[key] = (call, chosen, path, reason)
+    return hit
 
 
 def run_fused(x, residual, weight, eps, group_name, form: Form, quant_scale, backend: str, caps: Caps,
@@ -116,14 +153,10 @@ def run_fused(x, residual, weight, eps, group_name, form: Form, quant_scale, bac
     if weight is None:
         weight = unit_weight(x.device, x.dtype, x.shape[-1])
     scaled = isinstance(input_scale, torch.Tensor) or input_scale != 1.0
-    call = Call.of_tensors(form, x, weight, group_size(group_name), group_name, input_scaled=scaled)
-    chosen, reason = resolve(backend, x.device)
+    call, chosen, path, reason = routed(x, weight, group_name, form, backend, caps, codec, scaled)
     if isinstance(eps, torch.Tensor):
-        chosen, reason = None, EPS_IN_CAPTURE
+        chosen, path, reason = None, Route.UNFUSED, EPS_IN_CAPTURE
     outs = None
-    path = Route.UNFUSED
-    if chosen is not None:
-        path, reason = route(chosen, call, caps, codec)
     if path is Route.CODEC:
         outs = codec_or_none(chosen, call, _scaled(x, input_scale), residual, weight, eps, quant_scale, codec)
         if outs is None:

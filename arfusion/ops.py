@@ -72,7 +72,7 @@ def all_reduce(x: torch.Tensor, group_name: str, backend: str, max_bytes: int | 
     (`stats()` counts it, also when the graph came from the FX graph cache)."""
     if op_key:
         stats.record_fast_all_reduce(op_key)
-    return execution.run_all_reduce(x, group_name, backend, Caps(plain=max_bytes))
+    return execution.run_all_reduce(x, group_name, backend, Caps.given(plain=max_bytes))
 
 
 @_fake_of(all_reduce)
@@ -129,7 +129,7 @@ def _run_fused(x_is_scratch, x, residual, weight, eps, eps_tensor, group_name, n
     if eps_tensor is not None:  # a graph input (dynamic=True) or a buffer; a tensor still during a first capture
         eps = execution.eps_value(eps_tensor)
     return execution.run_fused(x, residual, weight, eps, group_name, form, quant_scale, backend,
-                               Caps(fused=max_bytes, codec_min=codec_min_bytes), codec, input_scale, x_is_scratch)
+                               Caps.given(fused=max_bytes, codec_min=codec_min_bytes), codec, input_scale, x_is_scratch)
 
 
 # Output layouts by input layout, for static shapes: the pattern matcher traces the op once per
@@ -243,7 +243,7 @@ def moe_combine_allreduce_rmsnorm(
     if eps_tensor is not None:  # a graph input (dynamic=True) or a buffer; a tensor still during a first capture
         eps = execution.eps_value(eps_tensor)
     return execution.run_moe_combine(rows, scale, index, top_k, scale_first, residual, weight, eps, group_name,
-                                     form, quant_scale, backend, Caps(fused=max_bytes, codec_min=codec_min_bytes),
+                                     form, quant_scale, backend, Caps.given(fused=max_bytes, codec_min=codec_min_bytes),
                                      codec, shared, routed_scale, input_scale)
 
 

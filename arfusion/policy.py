@@ -15,6 +15,7 @@ entered by only some of them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -51,6 +52,12 @@ class Caps:
             if value is not None and value < 0:
                 raise ValueError(f"arfusion: {name} is None (the backend's own table) or a byte count >= 0, "
                                  f"not {value}")
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def given(fused: int | None = None, plain: int | None = None, codec_min: int | None = None) -> "Caps":
+        """The same caps as Caps(...), made once per distinct value (the ops build theirs per call)."""
+        return Caps(fused=fused, plain=plain, codec_min=codec_min)
 
     @classmethod
     def of(cls, config: PassConfig, world_size: int) -> "Caps":

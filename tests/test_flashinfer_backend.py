@@ -24,6 +24,7 @@ from arfusion import core, reference, runtime, tuning
 from arfusion.backends import flashinfer as fi
 from arfusion.backends import flashinfer_dispatch as dispatch
 from arfusion.backends import flashinfer_kernel
+from arfusion.backends.base import tables_changed
 from arfusion.core import Call, Form
 from arfusion.decisions import Why
 
@@ -352,6 +353,7 @@ def quant_scenario(calls, group_name, rank):
                 fi.device_facts, torch.version.cuda = (lambda index: replace(B200, uuid=f"GPU-fake-{rank}")), "12.8"
             else:
                 fi.device_facts, torch.version.cuda = real_facts, real_cuda
+            tables_changed()  # another GPU in the same process: routes by signature are stale
             calls["fusion"].clear()
             arfusion.reset_stats()
             torch.manual_seed(7 + rank)
@@ -389,6 +391,7 @@ def quant_scenario(calls, group_name, rank):
                 expected={n: [list(t.shape), str(t.dtype)] for n, t in named_want.items()})
     finally:
         runtime.compiled, fi.device_facts, torch.version.cuda = real_compiled, real_facts, real_cuda
+        tables_changed()
     out["compiled"] = compiled_fns
     return out
 

@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 
 import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
 from arfusion import execution, reference, runtime
+from arfusion.backends.base import tables_changed
 from arfusion.core import Form
 from arfusion.policy import Caps
 from .helpers import run_workers
@@ -216,3 +217,27 @@ def test_a_negative_cap_is_an_error_not_a_cap(world_of_one):
         torch.ops.arfusion.fused_allreduce_rmsnorm(
             x=x, residual=None, weight=None, eps=1e-6, eps_tensor=None, group_name=world_of_one, norm="rms",
             quant="none", quant_scale=None, emit_norm=True, backend="torch", max_bytes=-1)
+
+
+def test_each_call_signature_is_routed_once(world_of_one, monkeypatch):
+    """Outside CUDA-graph replays every site pays its run-time route on every step: it is asked
+    once per call signature, looked up after, and asked again when the tables change."""
+    asked = []
+    real_route = execution.route
+    monkeypatch.setattr(execution, "route", lambda backend, call, *rest: asked.append(call.tokens)
+                        or real_route(backend, call, *rest))
+    x, res, w = inputs()
+
+    def run(tokens, caps=Caps()):
+        return execution.run_fused(x[:tokens], res[:tokens], w, 1e-6, world_of_one, SITE, quant_scale=None,
+                                   backend="torch", caps=caps)
+
+    first = run(5)
+    assert all(torch.equal(a, b) for a, b in zip(first, run(5))) and asked == [5]
+    run(3)
+    run(5, Caps(fused=0))  # another cap: another route (this one declines)
+    assert asked == [5, 3, 5]
+    assert arfusion.stats()["dispatch"] == {"torch": 3, "fallback": 1}
+    tables_changed()
+    run(5)
+    assert asked == [5, 3, 5, 5]

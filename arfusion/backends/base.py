@@ -17,6 +17,19 @@ from ..core import NORM_FORMS, Call
 from ..decisions import Reason, Why
 
 
+_tables = [0]  # bumped whenever a backend's dispatch tables may have changed
+
+
+def tables_changed() -> None:
+    """A backend's tables were re-read (a tuned cache written in this process): decisions made
+    from the old ones, and remembered by call signature (execution.py), are forgotten."""
+    _tables[0] += 1
+
+
+def tables_version() -> int:
+    return _tables[0]
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """The static part of what a backend supports. Empty `world_sizes` means any."""

@@ -279,7 +279,7 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
         return workspace, None
 
     def run(self, call, x, residual, weight, eps, quant_scale):
-        fic = importlib.import_module("flashinfer.comm")
+        fic = kernel.comm_module()
         site, state = call.form, self._groups[call.group_name]
         x2 = flatten_tokens(x)
         if residual is not None:
@@ -344,7 +344,7 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
         return Reason(Why.RUNTIME, reason) if reason else None
 
     def all_reduce(self, call: Call, x: torch.Tensor) -> torch.Tensor:
-        fic = importlib.import_module("flashinfer.comm")
+        fic = kernel.comm_module()
         out = torch.empty_like(x)
         self._launch(fic, call, x, fic.AllReduceFusionPattern.kAllReduce, allreduce_out=out)
         return out

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..decisions import Reason, Why
+from .base import tables_changed
 
 MiB = 1 << 20
 CACHE_ENV = "ARFUSION_TUNE_CACHE"
@@ -288,6 +289,7 @@ def forget_cache() -> None:
     _read_cache.cache_clear()
     limits_for.cache_clear()
     _knob_steps.cache_clear()
+    tables_changed()
 
 
 @functools.lru_cache(maxsize=256)

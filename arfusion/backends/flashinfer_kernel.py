@@ -13,7 +13,9 @@ lacks it, the unified API runs instead.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -22,6 +24,11 @@ import torch
 # takes them; the unified `allreduce_fusion` names allreduce_out "output".
 KERNEL_ARGS = ("allreduce_out", "residual_in", "residual_out", "norm_out", "quant_out", "scale_out", "rms_gamma",
                "rms_eps", "scale_factor", "layout_code", "weight_bias")
+
+
+def comm_module():
+    """`flashinfer.comm`, from sys.modules once imported (import_module's own lookup costs more)."""
+    return sys.modules.get("flashinfer.comm") or importlib.import_module("flashinfer.comm")
 
 
 @functools.lru_cache(maxsize=4)
