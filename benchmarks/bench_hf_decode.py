@@ -58,6 +58,9 @@ collective returns at once without computing. Numbers are wrong and times lack c
 the host path is real (graphs compiled, CUDA-graph replays and kernel launches per token,
 compile time), so it measures that without peers. The pass fuses as on a real rank; the fused
 op runs the torch backend (FlashInfer and aiter need peers), so "on" GPU times are not arfusion's.
+With --flashinfer-host-path it runs FlashInfer's host path instead, up to the kernel call, which
+is skipped (a stand-in workspace): "on" then pays every host cost of a fused site but the
+kernel's launch, the comparison for steps the host launches (--generate-mode default).
 
 Modules: decode_model.py (presets, model, Bench), decode_phases.py (startup .. kernels),
 decode_host.py (loop, generate), decode_report.py (table, plot), common.py (shared helpers).
@@ -80,7 +83,7 @@ import torch.distributed as dist  # noqa: E402
 from arfusion.backends import get_backend  # noqa: E402
 from arfusion.decisions import Reason  # noqa: E402
 from arfusion.config import QUANTIZED_LEVELS  # noqa: E402
-from common import no_multicast  # noqa: E402
+from common import flashinfer_host_path_only, no_multicast  # noqa: E402
 from decode_host import parse_variant, phase_generate, phase_loop  # noqa: E402
 from decode_model import CONFIGS, PRESETS, Bench, one_rank_shape  # noqa: E402,F401  (one_rank_shape: tests)
 from decode_phases import phase_accuracy, phase_decode, phase_kernels, phase_prefill, phase_startup  # noqa: E402
@@ -150,6 +153,10 @@ def parse(argv):
                    help="one process as rank 0 of TP=N through torch's fake process group (no torchrun): the "
                         "host path of TP=N without peers; collectives do not compute")
     p.add_argument("--backend", default="auto", choices=["auto", "flashinfer", "aiter", "torch"])
+    p.add_argument("--flashinfer-host-path", action="store_true",
+                   help="with --fake-world on a GPU: the pass on FlashInfer, whose kernel call is skipped on a "
+                        "stand-in workspace (common.flashinfer_host_path_only): the host path of TP=N's fused "
+                        "sites, outputs wrong")
     p.add_argument("--init", default="hf", choices=["hf", "scaled"],
                    help="random weights: HF's init (std 0.02), or with the residual branches' output "
                         "projections scaled by 1/sqrt(2 * layers) (GPT-2's init, closer to trained models)")
@@ -198,8 +205,12 @@ def parse(argv):
             p.error("--fake-world runs one process: start it with python, not torchrun")
         if args.rank_of > 1:
             p.error("--fake-world and --rank-of exclude each other")
-        if args.backend != "torch":  # FlashInfer and aiter build workspaces with their peers
+        if args.flashinfer_host_path:  # FlashInfer's host path on a stand-in workspace, no kernel
+            args.backend = "flashinfer"
+        elif args.backend != "torch":  # FlashInfer and aiter build workspaces with their peers
             args.backend = "torch"
+    elif args.flashinfer_host_path:
+        p.error("--flashinfer-host-path stands in for peers: only with --fake-world")
     if args.configs != list(CONFIGS) and set(args.phases) & set(NEED_BOTH):
         p.error(f"--configs applies to loop and generate; {sorted(set(args.phases) & set(NEED_BOTH))} "
                 "compare off and on")
@@ -226,6 +237,8 @@ def main(argv=None):
     if args.plot:
         plot(args.plot, args.png)
         return
+    if args.flashinfer_host_path:
+        flashinfer_host_path_only()
     if args.quantized:  # never NVLink multicast (NCCL NVLS, torch symmetric memory): as .device/setup.sh
         no_multicast()
     run(Bench(args))

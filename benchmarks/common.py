@@ -71,6 +71,31 @@ def floor_options() -> dict:
     return {"post_grad_custom_post_pass": NoAllReduce()}
 
 
+# ----------------------------------------------------------------- FlashInfer's host path, no peers
+
+
+def flashinfer_host_path_only() -> None:
+    """One process, no peers (--fake-world): arfusion's FlashInfer backend runs its whole host
+    path (route, workspace check, output allocation, the kernel call's arguments) on a stand-in
+    workspace and stops short of the kernel, whose outputs stay unwritten (numbers wrong). What a
+    step costs the host with the pass on FlashInfer, without the peers FlashInfer needs. The
+    kernel call's own host time (~9 us on an H200 host, docs/benchmarks.md) is left out."""
+    import types
+
+    from arfusion.backends import flashinfer_kernel
+    from arfusion.backends.flashinfer import FlashInferBackend
+
+    def stand_in(self, call, max_tokens):
+        return types.SimpleNamespace(
+            world_size=call.world_size, rank=0, workspace_tensor=torch.zeros(3, dtype=torch.int64),
+            metadata={"max_token_num": max_tokens, "tp_size": call.world_size, "hidden_dim": call.hidden},
+            is_buffer_size_sufficient=lambda tp, tokens, hidden, dtype, *rest: tokens * hidden <= max_tokens * hidden,
+            destroy=lambda: None), None
+
+    FlashInferBackend._new_workspace = stand_in
+    flashinfer_kernel.kernel_call = lambda fic: (lambda **arguments: None)
+
+
 # ----------------------------------------------------------------- errors
 
 

@@ -261,7 +261,9 @@ class Bench:
             self.result["meta"]["fake_world_note"] = (
                 f"one process holds rank 0's shards of TP={a.fake_world} (torch's fake process group): "
                 "collectives return without computing, so numbers are wrong and times lack communication; "
-                "graphs, CUDA-graph replays and kernel launches are the real host path")
+                "graphs, CUDA-graph replays and kernel launches are the real host path"
+                + ("; the fused op runs FlashInfer's host path and skips its kernel (a stand-in workspace)"
+                   if getattr(a, "flashinfer_host_path", False) else ""))
         self.say(f"{c.model_type}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, TP={self.world}"
                  f"{' (fake world)' if a.fake_world else ''} on {self.result['meta']['device']}, "
                  f"loaded in {self.result['meta']['load_s']} s")

@@ -562,3 +562,48 @@ def test_repeated_layers_compute_the_deep_model_they_stand_for():
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.logits, want.logits):
         torch.testing.assert_close(a, b)
+
+
+def test_flashinfer_host_path_runs_everything_but_the_kernel(fake_pg, monkeypatch):
+    """--flashinfer-host-path: in one process standing for rank 0 (no peers), the fused op takes
+    FlashInfer's whole host path on a stand-in workspace and stops short of the kernel."""
+    from dataclasses import replace
+
+    import arfusion
+    import arfusion.ops  # noqa: F401  (registers torch.ops.arfusion.*)
+    import torch
+    from arfusion import runtime
+    from arfusion.backends import flashinfer as fi, flashinfer_kernel, get_backend
+    from arfusion.backends.base import tables_changed
+
+    from .fake_flashinfer import H200, install_fake_flashinfer, remove_fake_flashinfer
+
+    calls = install_fake_flashinfer()
+    backend = get_backend("flashinfer")
+    for owner, name in ((fi.FlashInferBackend, "_new_workspace"), (flashinfer_kernel, "kernel_call"),
+                        (backend, "unavailable"), (backend, "capabilities")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # put back after the test
+    monkeypatch.setattr(fi, "device_facts", lambda index: H200)
+    monkeypatch.setattr(runtime, "device_index", lambda device: 0)
+    backend.capabilities = replace(backend.capabilities, device_types=frozenset({"cpu"}))
+    backend.unavailable = lambda device: None
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from common import flashinfer_host_path_only
+
+        flashinfer_host_path_only()
+        tables_changed()
+        arfusion.reset_stats()
+        x, residual = torch.randn(2, 1, 3, 64, dtype=torch.bfloat16).unbind(0)
+        outs = torch.ops.arfusion.fused_allreduce_rmsnorm(
+            x=x, residual=residual, weight=torch.ones(64, dtype=torch.bfloat16), eps=1e-6, eps_tensor=None,
+            group_name=fake_pg.group_name, norm="rms", quant="none", quant_scale=None, emit_norm=True,
+            backend="flashinfer")
+    finally:
+        sys.path.remove(str(BENCH.parent))
+        remove_fake_flashinfer()
+        tables_changed()
+        backend._groups.pop(fake_pg.group_name, None)  # the stand-in workspace goes with the test
+    assert arfusion.stats()["dispatch"] == {"flashinfer": 1}
+    assert [tuple(o.shape) for o in outs] == [(1, 3, 64), (1, 3, 64)]
+    assert calls["create"] == [] and calls["fusion"] == [] and calls["direct"] == 0  # no workspace, no kernel
