@@ -133,8 +133,7 @@ def routed(x, weight, group_name: str, form: Form, backend: str, caps: Caps, cod
            tables_version())
     hit = _routes.get(key)
     if hit is None:
-        world = group.size() if group is not None else group_size(group_name)
-        call = Call.of_tensors(form, x, weight, world, group_name, input_scaled=scaled)
+        call = Call.of_tensors(form, x, weight, group_size(group_name), group_name, input_scaled=scaled)
         chosen, reason = resolve(backend, x.device)
         path = Route.UNFUSED
         if chosen is not None:

@@ -44,7 +44,9 @@ import torch.distributed._functional_collectives as funcol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shared_gpu  # noqa: E402  (tests/gpu/shared_gpu.py)
+from common import sync  # noqa: E402  (benchmarks/common.py)
 
 import arfusion  # noqa: E402
 import arfusion.ops  # noqa: E402,F401  (registers torch.ops.arfusion.*)
@@ -64,11 +66,6 @@ def chain(x, residual, w_norm, w_mm, group_name: str, sites: int):
         residual = funcol.all_reduce(x @ w_mm, "sum", group_name) + residual
         x = rms(residual, w_norm)
     return x, residual
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def timed(fn, calls: int, world) -> dict:
@@ -94,9 +91,9 @@ def timed(fn, calls: int, world) -> dict:
             "wall_us": statistics.median(wall), "calls": calls}
 
 
-def flashinfer_layers(ws, backend, x, residual, weight) -> dict:
+def flashinfer_layers(ws, backend, x, residual, weight) -> tuple[dict, dict]:
     """FlashInfer's unified `allreduce_fusion`, and the kernel call arfusion makes instead
-    (flashinfer_kernel.py), for a residual site with its outputs preallocated."""
+    (flashinfer_kernel.py), for a residual site with its outputs preallocated: (theirs, ours)."""
     from flashinfer import comm as fic
 
     from arfusion.backends import flashinfer_kernel
@@ -106,12 +103,10 @@ def flashinfer_layers(ws, backend, x, residual, weight) -> dict:
                  fp32_acc=backend.fp32_acc)
     outs = dict(residual_in=residual, residual_out=torch.empty_like(x), norm_out=torch.empty_like(x),
                 rms_gamma=weight, rms_eps=EPS, weight_bias=0.0)
-    return {
-        "FlashInfer allreduce_fusion (outputs preallocated)":
-            lambda: fic.allreduce_fusion(input=x, workspace=ws, pattern=pattern, **knobs, **outs),
-        "FlashInfer trtllm_allreduce_fusion, as arfusion calls it (outputs preallocated)":
-            lambda: flashinfer_kernel.launch(fic, ws, x, pattern, dict(outs), **knobs),
-    }
+    return ({"FlashInfer allreduce_fusion (outputs preallocated)":
+             lambda: fic.allreduce_fusion(input=x, workspace=ws, pattern=pattern, **knobs, **outs)},
+            {"FlashInfer trtllm_allreduce_fusion, as arfusion calls it (outputs preallocated)":
+             lambda: flashinfer_kernel.launch(fic, ws, x, pattern, dict(outs), **knobs)})
 
 
 def skip_kernel() -> None:
@@ -209,9 +204,11 @@ def main() -> int:
             torch.ops._c10d_functional.wait_tensor(t)
 
         scratch = x.clone()
-        components = {
+        baseline = {
             "aten clone (one launch)": lambda: x.clone(),
             "Inductor's all-reduce (all_reduce_ + wait_tensor, with a clone)": unfused_all_reduce,
+        }
+        ours = {  # arfusion's layers of a fused site, measured again with the kernel skipped
             "the backend's run (FlashInfer: the kernel call + output allocation)":
                 lambda: backend.run(call, x, residual, w_norm, EPS, None),
             "execution.run_fused": lambda: execution.run_fused(x, residual, w_norm, EPS, fused_group, form, None,
@@ -221,9 +218,11 @@ def main() -> int:
             "arfusion::fused_allreduce_rmsnorm_": lambda: torch.ops.arfusion.fused_allreduce_rmsnorm_.default(
                 scratch, residual, w_norm, EPS, None, fused_group, "rms", "none", None, True, backend_name),
         }
+        theirs = {}
         if backend_name == "flashinfer":  # FlashInfer's own layers, outputs preallocated
-            components.update(flashinfer_layers(backend.workspace(fused_group), backend, x, residual, w_norm))
-        ours = [name for name in components if "arfusion" in name or "run" in name]
+            theirs, direct = flashinfer_layers(backend.workspace(fused_group), backend, x, residual, w_norm)
+            ours.update(direct)
+        components = {**baseline, **ours, **theirs}
         results["components"] = measure(components, world, say)
         if args.profile:
             for i, (name, fn) in enumerate(components.items()):
@@ -237,7 +236,7 @@ def main() -> int:
         if backend_name == "flashinfer":  # the same without the kernel: host time alone, no GPU turns
             skip_kernel()
             say("-- the kernel skipped")
-            results["components, kernel skipped"] = measure({k: components[k] for k in ours}, world, say)
+            results["components, kernel skipped"] = measure(ours, world, say)
             results["chains"].update(chains({"on, kernel skipped": configs["on"]}, (x, residual, w_norm, w_mm),
                                             world, say))
         per_site = {}
