@@ -7,6 +7,7 @@ every backend decides from a `Call` alone.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -36,7 +37,7 @@ class Form:
     quant: str = "none"  # "none" or one of QUANT_FORMS
     emit_norm: bool = True  # the unquantized norm output is produced too
 
-    @property
+    @functools.cached_property  # worked out once per form: the fused op records it on every call
     def name(self) -> str:
         """Pattern name as shown in stats: says what is fused."""
         if self.norm == "none":

@@ -8,6 +8,8 @@ ranks of a group take the same path.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -118,16 +120,26 @@ def _form(residual: bool, norm: str, quant: str, emit_norm: bool) -> Form:  # on
 
 # What `resolve` and `policy.route` answer for a call depends on its signature alone (and on the
 # backends' tables: base.tables_version), so each signature is routed once and looked up after:
-# outside CUDA-graph replays every site pays this path on every step.
-_routes: dict[tuple, tuple] = {}
+# outside CUDA-graph replays every site pays this path on every step. Where the backend's kernel
+# ran for a signature, its bound run (`Backend.bind`) is kept with the route.
+@dataclass(slots=True)
+class Routed:
+    call: Call
+    backend: object  # the Backend, or None
+    path: Route
+    reason: Reason | None
+    bound: Callable | None = None
+
+
+_routes: dict[tuple, Routed] = {}
 ROUTES_KEPT = 4096  # signatures remembered (dynamic shapes make one per token count); then afresh
 
 
 def routed(x, weight, group_name: str, form: Form, backend: str, caps: Caps, codec: str | None,
-           scaled: bool) -> tuple[Call, object, Route, Reason | None]:
-    """(call, backend or None, route, why not) for a fused call: `policy.route`'s answer, remembered
-    by signature. The group object is part of it: a name given again to another group (a new world
-    after destroy_process_group) is routed afresh."""
+           scaled: bool) -> Routed:
+    """A fused call's route: `policy.route`'s answer, remembered by signature. The group object
+    is part of it: a name given again to another group (a new world after destroy_process_group)
+    is routed afresh."""
     group = resolve_group(group_name)
     key = (form, x.shape, x.dtype, weight.dtype, x.device, group, group_name, backend, caps, codec, scaled,
            tables_version())
@@ -140,7 +152,7 @@ def routed(x, weight, group_name: str, form: Form, backend: str, caps: Caps, cod
             path, reason = route(chosen, call, caps, codec)
         if len(_routes) >= ROUTES_KEPT:
             _routes.clear()
-        hit = _routes[key] = (call, chosen, path, reason)
+        hit = _routes[key] = Routed(call, chosen, path, reason)
     return hit
 
 
@@ -152,9 +164,15 @@ def run_fused(x, residual, weight, eps, group_name, form: Form, quant_scale, bac
     if weight is None:
         weight = unit_weight(x.device, x.dtype, x.shape[-1])
     scaled = isinstance(input_scale, torch.Tensor) or input_scale != 1.0
-    call, chosen, path, reason = routed(x, weight, group_name, form, backend, caps, codec, scaled)
+    r = routed(x, weight, group_name, form, backend, caps, codec, scaled)
+    call, chosen, path, reason = r.call, r.backend, r.path, r.reason
     if isinstance(eps, torch.Tensor):
         chosen, path, reason = None, Route.UNFUSED, EPS_IN_CAPTURE
+    elif r.bound is not None:
+        outs = r.bound(x, residual, weight, eps)
+        if outs is not None:
+            _dispatched(chosen.name)
+            return outs
     outs = None
     if path is Route.CODEC:
         outs = codec_or_none(chosen, call, _scaled(x, input_scale), residual, weight, eps, quant_scale, codec)
@@ -169,6 +187,8 @@ def run_fused(x, residual, weight, eps, group_name, form: Form, quant_scale, bac
                 outs = chosen.run_scaled(call, x, input_scale, residual, weight, eps, quant_scale)
             else:
                 outs = chosen.run(call, x, residual, weight, eps, quant_scale)
+                if path is Route.KERNEL:
+                    r.bound = chosen.bind(call)
         else:
             _dispatched("fallback")
             log_once(f"arfusion: {form.name} ran unfused at run time: {reason}")

@@ -176,8 +176,11 @@ def _overwriting_x(op) -> str:
     return f"(Tensor(a!) x{arguments}) -> ({', '.join(['Tensor'] * MAX_OUTPUTS)})"
 
 
-def _padded(outs: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (*outs, *(like.new_empty(0) for _ in range(MAX_OUTPUTS - len(outs))))
+_pads: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> one empty tensor, padding every real call's outputs
+
+
+def _padded(outs: list[torch.Tensor], pad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (*outs, *(pad,) * (MAX_OUTPUTS - len(outs)))
 
 
 # `fused_allreduce_rmsnorm` that may overwrite x: where x is the last use of a fresh tensor (a
@@ -189,12 +192,16 @@ def _padded(outs: list[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor,
 # through auto_functionalized and Inductor's re-inplacing pass (edits.fuse).
 @_op("fused_allreduce_rmsnorm_", schema=_overwriting_x(fused_allreduce_rmsnorm))
 def fused_allreduce_rmsnorm_(*args) -> tuple[torch.Tensor, ...]:
-    return _padded(_run_fused(True, *args), args[0])
+    key = (args[0].device, args[0].dtype)
+    pad = _pads.get(key)
+    if pad is None:
+        pad = _pads[key] = torch.empty(0, dtype=args[0].dtype, device=args[0].device)
+    return _padded(_run_fused(True, *args), pad)
 
 
 @_fake_of(fused_allreduce_rmsnorm_)
 def _fake_on_scratch(*args) -> tuple[torch.Tensor, ...]:
-    return _padded(_fake(*args), args[0])
+    return _padded(_fake(*args), args[0].new_empty(0))
 
 
 @_op("moe_combine_allreduce_rmsnorm")

@@ -61,7 +61,8 @@ class FakeWorkspace:
 def install_fake_flashinfer():
     """Register `flashinfer`, `flashinfer.comm`, `flashinfer.comm.trtllm_ar`; return the call log
     (its "fail_build" / "fail_create" entries inject failures)."""
-    calls = {"create": [], "fusion": [], "build": 0, "direct": 0, "fail_build": False, "fail_create": False}
+    calls = {"create": [], "fusion": [], "build": 0, "direct": 0, "unchecked": 0, "fail_build": False,
+             "fail_create": False}
     workspaces = {}  # id of a workspace's metadata -> the workspace
 
     def module(name):
@@ -175,12 +176,25 @@ def install_fake_flashinfer():
                     allreduce_out, residual_in, residual_out, norm_out, quant_out, scale_out, rms_gamma, rms_eps,
                     scale_factor, layout_code, metadata=None, block_quant_group_size=None, weight_bias=None):
         """0.7.2.post1's signature (every argument by name, as arfusion passes them); checked
-        against the workspace the pointers and metadata came from, then the unified fake."""
-        workspace = workspaces[id(metadata)]
+        against the workspace the pointers (and metadata, where given) came from, then the unified
+        fake. As the kernel, which reads data pointers only: tensors of token_num x hidden_dim
+        elements in any dense shape."""
+        if metadata is None:  # FlashInfer checks nothing then; the kernel reads the pointers
+            calls["unchecked"] += 1
+            workspace = next(w for w in workspaces.values() if w.workspace_tensor is workspace_ptrs)
+        else:
+            workspace = workspaces[id(metadata)]
+            assert metadata["tp_size"] == world_size and token_num <= metadata["max_token_num"]
+        assert not workspace.destroyed, "a kernel call on a destroyed workspace"
         assert (world_size, world_rank) == (workspace.world_size, workspace.rank)
         assert workspace_ptrs is workspace.workspace_tensor or workspace_ptrs == workspace.workspace_tensor
-        assert (token_num, hidden_dim) == tuple(allreduce_in.shape) and allreduce_in.is_contiguous()
-        assert metadata["tp_size"] == world_size and token_num * hidden_dim <= metadata["max_token_num"] * hidden_dim
+        assert allreduce_in.numel() == token_num * hidden_dim and allreduce_in.is_contiguous()
+
+        def rows(t):  # [token_num, hidden_dim] over the same memory, as the kernel sees it
+            return t.view(token_num, hidden_dim) if t is not None and t.numel() == token_num * hidden_dim else t
+
+        allreduce_in, allreduce_out, residual_in, residual_out, norm_out = (
+            rows(t) for t in (allreduce_in, allreduce_out, residual_in, residual_out, norm_out))
         calls["direct"] += 1
         return allreduce_fusion(input=allreduce_in, workspace=workspace, pattern=pattern_code, use_oneshot=use_oneshot,
                                 fp32_acc=fp32_acc, launch_with_pdl=launch_with_pdl,

@@ -293,6 +293,7 @@ def _worker(rank, world, init_file, out_dir):
     results["ok"]["deprecations"] = [str(w.message) for w in caught if issubclass(w.category, FlashInferDeprecation)]
     results["unified"] = unified_scenario(calls, dist.group.WORLD.group_name, rank)
     results["quant"] = quant_scenario(calls, dist.group.WORLD.group_name, rank)
+    results["bound"] = bound_scenario(calls, backend, dist.group.WORLD.group_name, rank)
     # Fresh groups over the same ranks: each gets its own workspace negotiation.
     scenario("fail_build", dist.new_group([0, 1]))
     scenario("fail_create", dist.new_group([0, 1]))
@@ -326,6 +327,45 @@ def unified_scenario(calls, group_name, rank):
         comm.trtllm_allreduce_fusion = kernel
         flashinfer_kernel.kernel_call.cache_clear()
     return {"direct": calls["direct"] - direct, "unified": len(calls["fusion"]) - fusion, "errors": errors}
+
+
+def bound_scenario(calls, backend, group_name, rank):
+    """Later calls of a signature take its bound kernel call (no metadata check); a grown or
+    freed workspace makes it prepare, run and bind again (execution.Routed, kernel.bound)."""
+    import arfusion
+
+    errors, unchecked, creates, steps = [], calls["unchecked"], len(calls["create"]), []
+    arfusion.reset_stats()
+
+    def one(shape, residual=True, seed=0, scratch=False, max_bytes=None):
+        torch.manual_seed(100 * seed + rank)
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        res = torch.randn(*shape, dtype=torch.bfloat16) if residual else None
+        w = (1 + 0.1 * torch.randn(shape[-1])).to(torch.bfloat16)
+        want = reference.unfused(x, res, w, 1e-6, group_name, Form(residual=residual, norm="rms"))
+        args = (x, res, w, 1e-6, None, group_name, "rms", "none", None, True, "flashinfer", max_bytes)
+        got = (torch.ops.arfusion.fused_allreduce_rmsnorm_ if scratch else torch.ops.arfusion.fused_allreduce_rmsnorm)(*args)
+        if scratch:  # padded to MAX_OUTPUTS with empty tensors
+            errors.extend(f"{shape}: padding {i}" for i, t in enumerate(got[2:]) if t.numel())
+            got = got[:2]
+        for name, g, r in zip(("residual", "norm"), got, want):
+            if g.shape != x.shape or not g.is_contiguous() or not torch.allclose(g.float(), r.float(), atol=0.05,
+                                                                                   rtol=0.02):
+                errors.append(f"{shape} seed {seed} {name}: {list(g.shape)}, max diff {(g.float() - r.float()).abs().max()}")
+        steps.append(calls["unchecked"] - unchecked)
+
+    for seed in range(3):
+        one((2, 3, 64), seed=seed, scratch=seed > 0)  # run (checked), then bound twice
+    for seed in range(2):
+        one((5, 64), residual=False, seed=seed)  # the zero residual, bound with the signature
+    one((8192, 64), max_bytes=8192 * 64 * 2)  # outgrows the workspace: a larger one
+    one((2, 3, 64), seed=4)  # bound to the outgrown one: runs (checked) and binds again
+    one((2, 3, 64), seed=5)
+    backend.close()  # frees the workspaces: the next call makes one
+    one((2, 3, 64), seed=6)
+    one((2, 3, 64), seed=7)
+    return {"errors": errors, "unchecked_after_each": steps, "created": len(calls["create"]) - creates,
+            "dispatch": arfusion.stats()["dispatch"]}
 
 
 QUANT_SITES = [Form(residual=r, norm=n, quant=q, emit_norm=e)
@@ -436,6 +476,18 @@ def test_workspace_created_once_per_group_reused_and_grown(two_rank_results):
 def test_a_flashinfer_without_the_kernel_call_runs_the_unified_api(two_rank_results):
     for results in two_rank_results:
         assert results["unified"] == {"direct": 0, "unified": 2, "errors": []}
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_later_calls_of_a_signature_take_its_bound_kernel_call(two_rank_results):
+    for results in two_rank_results:
+        bound = results["bound"]
+        assert bound["errors"] == []
+        # Bound calls skip FlashInfer's metadata check: the 2nd and 3rd call of a signature, the
+        # zero-residual one's 2nd; none after a workspace changed until the signature ran again.
+        assert bound["unchecked_after_each"] == [0, 1, 2, 2, 3, 3, 3, 4, 4, 5]
+        assert bound["created"] == 2 and bound["dispatch"] == {"flashinfer": 10}
 
 
 @pytest.mark.parametrize("name", ["fail_build", "fail_create", "low_memory"])

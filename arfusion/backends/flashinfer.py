@@ -68,7 +68,6 @@ QUANT_KERNELS = {
     "nvfp4": {False: "kARResidualRMSNormFP4Quant", True: "kARResidualRMSNormOutFP4Quant"},
 }
 IN_KERNEL_QUANTS = ("fp8_static", "fp8_dynamic", "nvfp4")  # FlashInfer writes quant (and scale) itself
-NVFP4_LINEAR_LAYOUT = 2  # block scales row-major [T, H/16], as the reference and torchao's unswizzled quantizer
 
 
 @dataclass(frozen=True)
@@ -306,7 +305,7 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
             quant_out = torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=x2.device)
             scale_out = torch.empty(tokens, hidden // quant.NVFP4_BLOCK, dtype=torch.float8_e4m3fn,
                                     device=x2.device)
-            scale_factor, layout_code = _fp4_scale_factor(quant_scale, x2.device), NVFP4_LINEAR_LAYOUT
+            scale_factor, layout_code = kernel.fp4_scale_factor(quant_scale, x2.device), kernel.NVFP4_LINEAR_LAYOUT
         self._launch(fic, call, x2, getattr(fic.AllReduceFusionPattern, QUANT_KERNELS[site.quant][site.emit_norm]),
                      residual_out=produced["residual"], norm_out=produced["norm"], residual_in=residual_in,
                      quant_out=quant_out, scale_out=scale_out, scale_factor=scale_factor, layout_code=layout_code,
@@ -349,10 +348,22 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
         self._launch(fic, call, x, fic.AllReduceFusionPattern.kAllReduce, allreduce_out=out)
         return out
 
+    def bind(self, call: Call):
+        """Sites without quantization: the kernel's call worked out once (kernel.bound)."""
+        state = self._groups[call.group_name]
+        zeros = None if call.form.residual else state.zeros.get(call.dtype)
+        if call.form.quant != "none" or call.input_scaled or (zeros is None and not call.form.residual):
+            return None
+        return kernel.bound(kernel.comm_module(), state, None if zeros is None else zeros[: call.tokens * call.hidden],
+                            kernel.comm_module().AllReduceFusionPattern.kARResidualRMSNorm, call.tokens, call.hidden,
+                            weight_bias=1.0 if call.form.norm == "gemma_rms" else 0.0, **self._knobs(call))
+
+    def _knobs(self, call: Call) -> dict:
+        return dict(launch_with_pdl=self.launch_with_pdl, trigger_completion_at_end=True, fp32_acc=self.fp32_acc,
+                    use_oneshot=self.use_oneshot(call))
+
     def _launch(self, fic, call: Call, x2: torch.Tensor, pattern, **tensors) -> None:
-        kernel.launch(fic, self._groups[call.group_name].workspace, x2, pattern, tensors,
-                      launch_with_pdl=self.launch_with_pdl, trigger_completion_at_end=True, fp32_acc=self.fp32_acc,
-                      use_oneshot=self.use_oneshot(call))
+        kernel.launch(fic, self._groups[call.group_name].workspace, x2, pattern, tensors, **self._knobs(call))
 
     def workspace(self, group_name: str):
         """The live workspace of a group, or None (benchmarks use it to call FlashInfer directly)."""
@@ -379,19 +390,8 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
                     ws.destroy()
                 except Exception:
                     pass
+            state.workspace = None  # what kernel.bound calls check
         self._groups.clear()
-
-
-def _fp4_scale_factor(global_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """FlashInfer's FP4 `scale_factor` from the site's global scale.
-
-    The FP4 kernel multiplies by scale_factor (block SF = e4m3(scale_factor * amax / 6), values
-    times scale_factor / SF), unlike the FP8 one, which inverts it. torchao's per-tensor scale
-    is the dequantizing side (amax / (448 * 6)), so FlashInfer gets its reciprocal; no global
-    scale means 1. A device tensor, so a captured graph follows updates to the scale."""
-    if global_scale is None:
-        return torch.ones(1, dtype=torch.float32, device=device)
-    return torch.reciprocal(global_scale.to(device=device, dtype=torch.float32).reshape(1))
 
 
 def _group_quant(normed: torch.Tensor) -> dict[str, torch.Tensor]:

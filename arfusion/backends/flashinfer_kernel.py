@@ -8,6 +8,9 @@ that is ~28 us of host time a call on an H200 host (benchmarks/probes/probe_site
 paid by every site of a step that is not a CUDA-graph replay. vLLM calls it directly too. It
 still checks the call against the workspace's metadata (size, world, dtype). Where a FlashInfer
 lacks it, the unified API runs instead.
+
+`bound` fixes everything but the tensors for later calls of one signature (~100 us of host time a
+site in a default-mode compile on an H200 host before it; benchmarks/probes/probe_generate_ops.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import functools
 import importlib
 import inspect
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,6 +27,7 @@ import torch
 # takes them; the unified `allreduce_fusion` names allreduce_out "output".
 KERNEL_ARGS = ("allreduce_out", "residual_in", "residual_out", "norm_out", "quant_out", "scale_out", "rms_gamma",
                "rms_eps", "scale_factor", "layout_code", "weight_bias")
+NVFP4_LINEAR_LAYOUT = 2  # layout_code: block scales row-major [T, H/16], as the reference and torchao's unswizzled quantizer
 
 
 def comm_module():
@@ -50,3 +54,41 @@ def launch(fic, workspace, x2: torch.Tensor, pattern, tensors: dict, **knobs) ->
     call(allreduce_in=x2, world_size=workspace.world_size, world_rank=workspace.rank, token_num=x2.shape[0],
          hidden_dim=x2.shape[1], workspace_ptrs=workspace.workspace_tensor, pattern_code=pattern,
          metadata=workspace.metadata, **knobs, **{name: tensors.get(name) for name in KERNEL_ARGS})
+
+
+def bound(fic, state, residual_zeros: torch.Tensor | None, pattern, tokens: int, hidden: int,
+          **fixed) -> Callable[..., list[torch.Tensor] | None] | None:
+    """The plain residual + RMSNorm kernel (`pattern`, no quantization) for calls of `tokens` x
+    `hidden` on `state.workspace` as it is now, as fn(x, residual, weight, eps) -> [residual, norm]
+    in x's shape, or None once `state.workspace` is another (grown, or freed by close()).
+    `fixed` holds the knobs and weight_bias. Bound after a call of the signature ran through
+    `launch`, whose metadata check it skips; None where only the unified API exists."""
+    call, workspace = kernel_call(fic), state.workspace
+    if call is None or workspace is None:
+        return None
+    fixed.update(world_size=workspace.world_size, world_rank=workspace.rank, token_num=tokens, hidden_dim=hidden,
+                 workspace_ptrs=workspace.workspace_tensor, pattern_code=pattern, metadata=None,
+                 allreduce_out=None, quant_out=None, scale_out=None, scale_factor=None, layout_code=None)
+
+    def run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+        if state.workspace is not workspace:
+            return None
+        x = x.contiguous()  # the kernel reads data pointers only: any dense shape of tokens x hidden
+        residual_out, norm_out = torch.empty_like(x), torch.empty_like(x)
+        call(allreduce_in=x, residual_in=residual_zeros if residual is None else residual.contiguous(),
+             residual_out=residual_out, norm_out=norm_out, rms_gamma=weight.contiguous(), rms_eps=float(eps), **fixed)
+        return [residual_out, norm_out]
+
+    return run
+
+
+def fp4_scale_factor(global_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """FlashInfer's FP4 `scale_factor` from the site's global scale.
+
+    The FP4 kernel multiplies by scale_factor (block SF = e4m3(scale_factor * amax / 6), values
+    times scale_factor / SF), unlike the FP8 one, which inverts it. torchao's per-tensor scale
+    is the dequantizing side (amax / (448 * 6)), so FlashInfer gets its reciprocal; no global
+    scale means 1. A device tensor, so a captured graph follows updates to the scale."""
+    if global_scale is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return torch.reciprocal(global_scale.to(device=device, dtype=torch.float32).reshape(1))

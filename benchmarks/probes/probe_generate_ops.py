@@ -1,0 +1,88 @@
+"""A default-mode generate() step's host time by operator, off and on side by side. Not collected by pytest.
+
+    python benchmarks/probes/probe_generate_ops.py [bench_hf_decode arguments]
+
+Runs benchmarks/bench_hf_decode.py (phase generate, --generate-mode default, --fake-world 2,
+--flashinfer-host-path unless --backend is given, both configs in one process) on a GPU. Its
+profiled calls (one of each length per config, after the pairs) also go through this probe: each
+operator's and CUDA runtime call's host time per new token, by difference of the two lengths, off
+next to on, largest difference first. Writes the long calls' Chrome traces to --out.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_hf_decode  # noqa: E402
+import decode_host  # noqa: E402
+
+# (config, new tokens) -> {operator: [calls, self host us]}
+_seen: dict[tuple[str, int], dict[str, list]] = {}
+_order: list[str] = []
+
+
+def main() -> int:
+    extra = sys.argv[1:]
+    argv = ["--fake-world", "2", "--phases", "generate", "--generate-mode", "default", "--configs", "off", "on",
+            "--pairs", "4", *extra]
+    if "--backend" not in extra:
+        argv.append("--flashinfer-host-path")
+    out = Path(extra[extra.index("--out") + 1] if "--out" in extra else os.environ.get("OUT", "."))
+
+    def profile_call(call, n):
+        from torch.profiler import ProfilerActivity, profile
+
+        config = "on" if len(_order) >= 2 else "off"  # profile_variant: off's two lengths, then on's
+        _order.append(config)
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call(n)
+            torch.cuda.synchronize()
+        table = collections.defaultdict(lambda: [0, 0.0])
+        for evt in prof.key_averages():
+            if evt.self_cpu_time_total > 0:
+                table[evt.key] = [evt.count, evt.self_cpu_time_total]
+        _seen[config, n] = dict(table)
+        if n == max(ns for c, ns in _seen if c == config):
+            prof.export_chrome_trace(str(out / f"trace_{config}_{n}.json"))
+        tally = decode_host.kernel_tally(prof)
+        return {"kernels": tally["kernels"], "gpu_busy_ms": tally["gpu_busy_us"] / 1e3,
+                "graph_launches": tally["graph_launches"], "kernel_launches": tally["kernel_launches"]}
+
+    decode_host.profile_call = profile_call
+    bench_hf_decode.main(argv)
+    lengths = sorted({n for _, n in _seen})
+    if len(lengths) != 2 or len(_seen) != 4:
+        print(f"profiled calls: {sorted(_seen)}: expected two lengths per config")
+        return 1
+    short, long = lengths
+
+    def per_token(config):
+        a, b = _seen[config, long], _seen[config, short]
+        return {k: ((a.get(k, [0, 0])[0] - b.get(k, [0, 0])[0]) / (long - short),
+                    (a.get(k, [0, 0])[1] - b.get(k, [0, 0])[1]) / (long - short)) for k in set(a) | set(b)}
+
+    off, on = per_token("off"), per_token("on")
+    rows = sorted(((on.get(k, (0, 0))[1] - off.get(k, (0, 0))[1], k) for k in set(off) | set(on)),
+                  key=lambda r: -abs(r[0]))
+    total = {c: sum(v[1] for v in t.values()) for c, t in (("off", off), ("on", on))}
+    print(f"self host time per new token (us, profiler on): off {total['off']:.0f}, on {total['on']:.0f}")
+    print(f"{'on-off us':>10} {'off calls':>9} {'off us':>8} {'on calls':>9} {'on us':>8}  operator")
+    for diff, k in rows[:40]:
+        (oc, ou), (nc, nu) = off.get(k, (0, 0)), on.get(k, (0, 0))
+        print(f"{diff:10.1f} {oc:9.1f} {ou:8.1f} {nc:9.1f} {nu:8.1f}  {k[:90]}")
+    (out / "generate_ops.json").write_text(json.dumps(
+        {"lengths": [short, long], "per_token": {"off": off, "on": on}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
