@@ -135,25 +135,43 @@ _routes: dict[tuple, Routed] = {}
 ROUTES_KEPT = 4096  # signatures remembered (dynamic shapes make one per token count); then afresh
 
 
+def _remembered(key: tuple, route_it: Callable[[], Routed]) -> Routed:
+    hit = _routes.get(key)
+    if hit is None:
+        if len(_routes) >= ROUTES_KEPT:
+            _routes.clear()
+        hit = _routes[key] = route_it()
+    return hit
+
+
 def routed(x, weight, group_name: str, form: Form, backend: str, caps: Caps, codec: str | None,
            scaled: bool) -> Routed:
     """A fused call's route: `policy.route`'s answer, remembered by signature. The group object
     is part of it: a name given again to another group (a new world after destroy_process_group)
     is routed afresh."""
-    group = resolve_group(group_name)
-    key = (form, x.shape, x.dtype, weight.dtype, x.device, group, group_name, backend, caps, codec, scaled,
-           tables_version())
-    hit = _routes.get(key)
-    if hit is None:
+    def route_it():
         call = Call.of_tensors(form, x, weight, group_size(group_name), group_name, input_scaled=scaled)
         chosen, reason = resolve(backend, x.device)
         path = Route.UNFUSED
         if chosen is not None:
             path, reason = route(chosen, call, caps, codec)
-        if len(_routes) >= ROUTES_KEPT:
-            _routes.clear()
-        hit = _routes[key] = Routed(call, chosen, path, reason)
-    return hit
+        return Routed(call, chosen, path, reason)
+
+    return _remembered((form, x.shape, x.dtype, weight.dtype, x.device, resolve_group(group_name), group_name,
+                        backend, caps, codec, scaled, tables_version()), route_it)
+
+
+def routed_plain(x, group_name: str, backend: str, caps: Caps) -> Routed:
+    """A plain all-reduce's route (the backend's fast all-reduce, or not), remembered as `routed`'s."""
+    def route_it():
+        call = Call.of_tensors(PLAIN, x, None, group_size(group_name), group_name)
+        chosen, reason = resolve(backend, x.device)
+        if chosen is not None:
+            reason = plain_refusal(chosen, call, caps)
+        return Routed(call, chosen, Route.KERNEL if reason is None else Route.UNFUSED, reason)
+
+    return _remembered(("plain", x.shape, x.dtype, x.device, resolve_group(group_name), group_name, backend, caps,
+                        tables_version()), route_it)
 
 
 def run_fused(x, residual, weight, eps, group_name, form: Form, quant_scale, backend: str, caps: Caps,
@@ -202,15 +220,23 @@ def run_moe_combine(rows, scale, index, top_k: int, scale_first: bool, residual,
     """`arfusion::moe_combine_allreduce_rmsnorm` at run time (see its docstring in ops.py)."""
     hidden = rows.shape[-1]
     tokens = index.numel() // top_k
-    chosen, reason = resolve(backend, rows.device)
-    if isinstance(eps, torch.Tensor):
-        chosen, reason = None, EPS_IN_CAPTURE
-    if chosen is not None:
-        kernel_weight = weight if weight is not None else unit_weight(rows.device, rows.dtype, hidden)
+    kernel_weight = weight if weight is not None else unit_weight(rows.device, rows.dtype, hidden)
+
+    def route_it():  # the MoE kernel's static answer, remembered as `routed`'s
         call = Call.of_meta(form, (tokens, hidden), rows.dtype, kernel_weight.dtype, rows.device,
                             group_size(group_name), group_name)
-        reason = (moe_combine_refusal(chosen, call, top_k, rows.shape[0], caps, codec)
-                  or chosen.prepare(call, caps.fused) or chosen.prepare_moe_combine(call))
+        chosen, reason = resolve(backend, rows.device)
+        if chosen is not None:
+            reason = moe_combine_refusal(chosen, call, top_k, rows.shape[0], caps, codec)
+        return Routed(call, chosen, Route.KERNEL if chosen is not None and reason is None else Route.UNFUSED, reason)
+
+    r = _remembered(("moe", form, rows.shape, index.shape, top_k, rows.dtype, kernel_weight.dtype, rows.device,
+                     resolve_group(group_name), group_name, backend, caps, codec, tables_version()), route_it)
+    call, chosen, reason = r.call, r.backend, r.reason
+    if isinstance(eps, torch.Tensor):
+        chosen, reason = None, EPS_IN_CAPTURE
+    if chosen is not None and reason is None:
+        reason = chosen.prepare(call, caps.fused) or chosen.prepare_moe_combine(call)
         if reason is None:
             _dispatched(chosen.name)
             outs = chosen.run_moe_combine(call, rows, scale, index, top_k, scale_first,
@@ -227,13 +253,20 @@ def run_moe_combine(rows, scale, index, top_k: int, scale_first: bool, residual,
 def run_all_reduce(x: torch.Tensor, group_name: str, backend: str, caps: Caps) -> torch.Tensor:
     """`arfusion::all_reduce` at run time: the backend's fast all-reduce where it takes the call,
     else NCCL on the caller's stream (GPUs) or the functional all-reduce (elsewhere)."""
-    call = Call.of_tensors(PLAIN, x, None, group_size(group_name), group_name)
-    chosen, reason = resolve(backend, x.device)
-    if chosen is not None:
-        reason = plain_refusal(chosen, call, caps) or chosen.prepare_plain(call)
+    r = routed_plain(x, group_name, backend, caps)
+    call, chosen, reason = r.call, r.backend, r.reason
+    if r.bound is not None:
+        out = r.bound(x)
+        if out is not None:
+            _dispatched(f"{chosen.name} all-reduce")
+            return out
+    if reason is None:
+        reason = chosen.prepare_plain(call)
     if reason is None:
         _dispatched(f"{chosen.name} all-reduce")
-        return chosen.all_reduce(call, x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
+        out = chosen.all_reduce(call, x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
+        r.bound = chosen.bind(call)
+        return out
     _dispatched("nccl all-reduce" if current_stream_pays(x.device) else "all-reduce")
     log_once(f"arfusion: an all-reduce of {call.nbytes} bytes per rank ran without the fast path: {reason}")
     if current_stream_pays(x.device):

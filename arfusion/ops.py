@@ -176,11 +176,13 @@ def _overwriting_x(op) -> str:
     return f"(Tensor(a!) x{arguments}) -> ({', '.join(['Tensor'] * MAX_OUTPUTS)})"
 
 
-_pads: dict[tuple, torch.Tensor] = {}  # (device, dtype) -> one empty tensor, padding every real call's outputs
+# (device, dtype) -> empty tensors that pad every real call's outputs: made once, each its own
+# storage (an op's outputs may not alias each other: torch's check_aliasing_constraint).
+_pads: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def _padded(outs: list[torch.Tensor], pad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (*outs, *(pad,) * (MAX_OUTPUTS - len(outs)))
+def _padded(outs: list[torch.Tensor], pads: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (*outs, *pads[: MAX_OUTPUTS - len(outs)])
 
 
 # `fused_allreduce_rmsnorm` that may overwrite x: where x is the last use of a fresh tensor (a
@@ -193,15 +195,16 @@ def _padded(outs: list[torch.Tensor], pad: torch.Tensor) -> tuple[torch.Tensor, 
 @_op("fused_allreduce_rmsnorm_", schema=_overwriting_x(fused_allreduce_rmsnorm))
 def fused_allreduce_rmsnorm_(*args) -> tuple[torch.Tensor, ...]:
     key = (args[0].device, args[0].dtype)
-    pad = _pads.get(key)
-    if pad is None:
-        pad = _pads[key] = torch.empty(0, dtype=args[0].dtype, device=args[0].device)
-    return _padded(_run_fused(True, *args), pad)
+    pads = _pads.get(key)
+    if pads is None:
+        pads = _pads[key] = tuple(torch.empty(0, dtype=args[0].dtype, device=args[0].device)
+                                  for _ in range(MAX_OUTPUTS - 1))
+    return _padded(_run_fused(True, *args), pads)
 
 
 @_fake_of(fused_allreduce_rmsnorm_)
 def _fake_on_scratch(*args) -> tuple[torch.Tensor, ...]:
-    return _padded(_fake(*args), args[0].new_empty(0))
+    return _padded(_fake(*args), tuple(args[0].new_empty(0) for _ in range(MAX_OUTPUTS - 1)))
 
 
 @_op("moe_combine_allreduce_rmsnorm")

@@ -181,7 +181,8 @@ def install_fake_flashinfer():
         elements in any dense shape."""
         if metadata is None:  # FlashInfer checks nothing then; the kernel reads the pointers
             calls["unchecked"] += 1
-            workspace = next(w for w in workspaces.values() if w.workspace_tensor is workspace_ptrs)
+            workspace = next(w for w in workspaces.values() if w.workspace_tensor is workspace_ptrs
+                             or not isinstance(workspace_ptrs, torch.Tensor) and w.workspace_tensor == workspace_ptrs)
         else:
             workspace = workspaces[id(metadata)]
             assert metadata["tp_size"] == world_size and token_num <= metadata["max_token_num"]

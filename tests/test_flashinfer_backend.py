@@ -330,8 +330,9 @@ def unified_scenario(calls, group_name, rank):
 
 
 def bound_scenario(calls, backend, group_name, rank):
-    """Later calls of a signature take its bound kernel call (no metadata check); a grown or
-    freed workspace makes it prepare, run and bind again (execution.Routed, kernel.bound)."""
+    """Later calls of a signature (a site's, a plain all-reduce's) take its bound kernel call (no
+    metadata check); a grown or freed workspace makes it prepare, run and bind again
+    (execution.Routed, kernel.bound)."""
     import arfusion
 
     errors, unchecked, creates, steps = [], calls["unchecked"], len(calls["create"]), []
@@ -358,6 +359,13 @@ def bound_scenario(calls, backend, group_name, rank):
         one((2, 3, 64), seed=seed, scratch=seed > 0)  # run (checked), then bound twice
     for seed in range(2):
         one((5, 64), residual=False, seed=seed)  # the zero residual, bound with the signature
+    for seed in range(2):  # the plain fast all-reduce (kAllReduce): bound on its second call too
+        torch.manual_seed(100 * seed + rank)
+        x = torch.randn(3, 7, 64, dtype=torch.bfloat16)
+        got = torch.ops.arfusion.all_reduce(x=x, group_name=group_name, backend="flashinfer")
+        if got.shape != x.shape or not torch.equal(got, reference.all_reduce_sum(x, group_name)):
+            errors.append(f"plain seed {seed}: {list(got.shape)}")
+        steps.append(calls["unchecked"] - unchecked)
     one((8192, 64), max_bytes=8192 * 64 * 2)  # outgrows the workspace: a larger one
     one((2, 3, 64), seed=4)  # bound to the outgrown one: runs (checked) and binds again
     one((2, 3, 64), seed=5)
@@ -485,9 +493,10 @@ def test_later_calls_of_a_signature_take_its_bound_kernel_call(two_rank_results)
         bound = results["bound"]
         assert bound["errors"] == []
         # Bound calls skip FlashInfer's metadata check: the 2nd and 3rd call of a signature, the
-        # zero-residual one's 2nd; none after a workspace changed until the signature ran again.
-        assert bound["unchecked_after_each"] == [0, 1, 2, 2, 3, 3, 3, 4, 4, 5]
-        assert bound["created"] == 2 and bound["dispatch"] == {"flashinfer": 10}
+        # zero-residual one's 2nd, the plain all-reduce's 2nd; none after a workspace changed
+        # until the signature ran again.
+        assert bound["unchecked_after_each"] == [0, 1, 2, 2, 3, 3, 4, 4, 4, 5, 5, 6]
+        assert bound["created"] == 2 and bound["dispatch"] == {"flashinfer": 10, "flashinfer all-reduce": 2}
 
 
 @pytest.mark.parametrize("name", ["fail_build", "fail_create", "low_memory"])

@@ -241,3 +241,30 @@ def test_each_call_signature_is_routed_once(world_of_one, monkeypatch):
     tables_changed()
     run(5)
     assert asked == [5, 3, 5, 5]
+
+
+def test_plain_and_moe_calls_are_routed_once_per_signature(world_of_one, monkeypatch):
+    """The plain fast all-reduce and the MoE combine op remember their routes as the fused op does
+    (their refusals read the backend's tables, a tuned cache's path among them)."""
+    asked = []
+    for name in ("plain_refusal", "moe_combine_refusal"):
+        real = getattr(execution, name)
+        monkeypatch.setattr(execution, name, lambda backend, call, *rest, real=real, name=name:
+                            asked.append((name, call.tokens)) or real(backend, call, *rest))
+    x, _, w = inputs()
+    for tokens in (5, 5, 3, 5):
+        got = execution.run_all_reduce(x[:tokens], world_of_one, "torch", Caps())
+        assert torch.equal(got, x[:tokens])  # a world of one
+    assert asked == [("plain_refusal", 5), ("plain_refusal", 3)]
+    torch.manual_seed(1)
+    rows, scale, index = torch.randn(8, 256, dtype=torch.bfloat16), torch.rand(8, 1, dtype=torch.bfloat16), torch.randperm(8)
+    form = Form(residual=True, norm="rms")
+    for _ in range(2):
+        got = execution.run_moe_combine(rows, scale, index, 2, True, x[:4], w, 1e-6, world_of_one, form, None,
+                                        "torch", Caps())
+        want = reference.unfused(reference.moe_combine(rows, scale, index, 2, True), x[:4], w, 1e-6, world_of_one, form)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert asked[2:] == [("moe_combine_refusal", 4)]
+    tables_changed()
+    execution.run_all_reduce(x, world_of_one, "torch", Caps())
+    assert asked[3:] == [("plain_refusal", 5)]

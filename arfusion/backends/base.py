@@ -9,7 +9,7 @@ path and a collective kernel is never entered by only some of them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -113,12 +113,13 @@ class Backend:
         """Compute the fused result; return tensors in `call.form.outputs()` order."""
         raise NotImplementedError
 
-    def bind(self, call: Call) -> Callable[..., list[torch.Tensor] | None] | None:
-        """After `prepare` and `run` succeeded for `call`: `run` for later calls of the same
-        signature (shape, dtypes, group) with all but the tensors worked out once, as
-        fn(x, residual, weight, eps) -> outputs dense in x's shape, or None once what it was bound
-        to is gone (the caller then prepares and binds again). None: no such shortcut. Outside
-        CUDA-graph replays every site pays its backend's host path on every step."""
+    def bind(self, call: Call) -> Callable[..., Any] | None:
+        """After `prepare` and `run` (or `prepare_plain` and `all_reduce`: `call.form` is PLAIN)
+        succeeded for `call`: the same for later calls of its signature (shape, dtypes, group) with
+        all but the tensors worked out once, as fn(x, residual, weight, eps) -> outputs dense in x's
+        shape (fn(x) -> the sum, for PLAIN), or None once what it was bound to is gone (the caller
+        then prepares and binds again). None: no such shortcut. Outside CUDA-graph replays every
+        call pays its backend's host path on every step."""
         return None
 
     def run_scaled(self, call: Call, x: torch.Tensor, input_scale: float | torch.Tensor,

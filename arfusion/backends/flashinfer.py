@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .. import quant, runtime
 from ..decisions import Reason, Why
-from ..core import NORM_FORMS, Call, flatten_tokens
+from ..core import NORM_FORMS, PLAIN, Call, flatten_tokens
 from ..runtime import PerGroup, all_ranks_agree, comm_device, hash63, outside_graph_pools
 from . import flashinfer_dispatch as dispatch
 from . import flashinfer_exchange as exchange
@@ -349,13 +349,16 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
         return out
 
     def bind(self, call: Call):
-        """Sites without quantization: the kernel's call worked out once (kernel.bound)."""
-        state = self._groups[call.group_name]
+        """The kernel's call worked out once (kernel.bound): plain all-reduces, unquantized sites."""
+        fic, state = kernel.comm_module(), self._groups[call.group_name]
+        if call.form == PLAIN:
+            return kernel.bound(fic, state, fic.AllReduceFusionPattern.kAllReduce, call.tokens, call.hidden,
+                                **self._knobs(call))
         zeros = None if call.form.residual else state.zeros.get(call.dtype)
         if call.form.quant != "none" or call.input_scaled or (zeros is None and not call.form.residual):
             return None
-        return kernel.bound(kernel.comm_module(), state, None if zeros is None else zeros[: call.tokens * call.hidden],
-                            kernel.comm_module().AllReduceFusionPattern.kARResidualRMSNorm, call.tokens, call.hidden,
+        return kernel.bound(fic, state, fic.AllReduceFusionPattern.kARResidualRMSNorm, call.tokens, call.hidden,
+                            None if zeros is None else zeros[: call.tokens * call.hidden],
                             weight_bias=1.0 if call.form.norm == "gemma_rms" else 0.0, **self._knobs(call))
 
     def _knobs(self, call: Call) -> dict:

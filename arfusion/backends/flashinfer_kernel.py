@@ -9,8 +9,8 @@ paid by every site of a step that is not a CUDA-graph replay. vLLM calls it dire
 still checks the call against the workspace's metadata (size, world, dtype). Where a FlashInfer
 lacks it, the unified API runs instead.
 
-`bound` fixes everything but the tensors for later calls of one signature (~100 us of host time a
-site in a default-mode compile on an H200 host before it; benchmarks/probes/probe_generate_ops.py).
+`bound` fixes everything but the tensors for later calls of one signature (a site's op cost ~100 us
+of host time in a default-mode compile on an H200 host before it; benchmarks/probes/probe_generate_ops.py).
 """
 
 from __future__ import annotations
@@ -56,26 +56,40 @@ def launch(fic, workspace, x2: torch.Tensor, pattern, tensors: dict, **knobs) ->
          metadata=workspace.metadata, **knobs, **{name: tensors.get(name) for name in KERNEL_ARGS})
 
 
-def bound(fic, state, residual_zeros: torch.Tensor | None, pattern, tokens: int, hidden: int,
-          **fixed) -> Callable[..., list[torch.Tensor] | None] | None:
-    """The plain residual + RMSNorm kernel (`pattern`, no quantization) for calls of `tokens` x
-    `hidden` on `state.workspace` as it is now, as fn(x, residual, weight, eps) -> [residual, norm]
-    in x's shape, or None once `state.workspace` is another (grown, or freed by close()).
-    `fixed` holds the knobs and weight_bias. Bound after a call of the signature ran through
-    `launch`, whose metadata check it skips; None where only the unified API exists."""
+def bound(fic, state, pattern, tokens: int, hidden: int, residual_zeros: torch.Tensor | None = None,
+          **fixed) -> Callable[..., Any] | None:
+    """The kernel for `pattern` (kAllReduce, or kARResidualRMSNorm: no quantization) bound to
+    `state.workspace` as it is now, for calls of `tokens` x `hidden`: fn(x) -> the sum (kAllReduce)
+    or fn(x, residual, weight, eps) -> [residual, norm], each in x's shape, or None once
+    `state.workspace` is another (grown, or freed by close()). `fixed`: the knobs (and
+    weight_bias); `residual_zeros` stands in for a site's missing residual. Bound after a call of
+    the signature ran through `launch`, whose metadata check it skips; None where only the unified
+    API exists. The kernel reads data pointers only: any dense shape of tokens x hidden will do."""
     call, workspace = kernel_call(fic), state.workspace
     if call is None or workspace is None:
         return None
     fixed.update(world_size=workspace.world_size, world_rank=workspace.rank, token_num=tokens, hidden_dim=hidden,
-                 workspace_ptrs=workspace.workspace_tensor, pattern_code=pattern, metadata=None,
-                 allreduce_out=None, quant_out=None, scale_out=None, scale_factor=None, layout_code=None)
+                 workspace_ptrs=workspace.workspace_tensor, pattern_code=pattern, metadata=None, quant_out=None,
+                 scale_out=None, scale_factor=None, layout_code=None)
+    if pattern == fic.AllReduceFusionPattern.kAllReduce:
+        fixed.update({name: None for name in KERNEL_ARGS if name not in fixed and name != "allreduce_out"})
+
+        def all_reduce(x: torch.Tensor):
+            if state.workspace is not workspace:
+                return None
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            call(allreduce_in=x, allreduce_out=out, **fixed)
+            return out
+
+        return all_reduce
 
     def run(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
         if state.workspace is not workspace:
             return None
-        x = x.contiguous()  # the kernel reads data pointers only: any dense shape of tokens x hidden
+        x = x.contiguous()
         residual_out, norm_out = torch.empty_like(x), torch.empty_like(x)
-        call(allreduce_in=x, residual_in=residual_zeros if residual is None else residual.contiguous(),
+        call(allreduce_in=x, allreduce_out=None, residual_in=residual_zeros if residual is None else residual.contiguous(),
              residual_out=residual_out, norm_out=norm_out, rms_gamma=weight.contiguous(), rms_eps=float(eps), **fixed)
         return [residual_out, norm_out]
 
