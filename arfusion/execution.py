@@ -205,7 +205,7 @@ def run_fused(x, residual, weight, eps, group_name, form: Form, quant_scale, bac
                 outs = chosen.run_scaled(call, x, input_scale, residual, weight, eps, quant_scale)
             else:
                 outs = chosen.run(call, x, residual, weight, eps, quant_scale)
-                if path is Route.KERNEL:
+                if r.path is Route.KERNEL:  # not a codec's route whose codec declined this once
                     r.bound = chosen.bind(call)
         else:
             _dispatched("fallback")

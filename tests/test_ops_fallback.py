@@ -268,3 +268,23 @@ def test_plain_and_moe_calls_are_routed_once_per_signature(world_of_one, monkeyp
     tables_changed()
     execution.run_all_reduce(x, world_of_one, "torch", Caps())
     assert asked[3:] == [("plain_refusal", 5)]
+
+
+def test_a_codec_route_never_binds_the_exact_kernel(world_of_one, monkeypatch):
+    """A call routed to the quantized all-reduce runs the exact kernel where the codec is not
+    ready this once (e.g. inside a capture); that must not make the kernel's bound call the
+    signature's answer from then on."""
+    from arfusion.backends import get_backend
+    from arfusion.decisions import Reason, Why
+
+    backend = get_backend("torch")
+    bound, declines = [], [Reason(Why.RUNTIME, "not ready this once")]
+    monkeypatch.setattr(backend, "bind", lambda call: bound.append(call) or (lambda *a: pytest.fail("bound")))
+    monkeypatch.setattr(backend, "prepare_codec", lambda call, level: declines.pop() if declines else None)
+    x, res, w = inputs()
+    site = Form(residual=True, norm="rms")
+    for _ in range(2):
+        execution.run_fused(x, res, w, 1e-6, world_of_one, site, None, "torch", Caps(codec_min=0), codec="fp8")
+    assert bound == [] and arfusion.stats()["dispatch"] == {"torch": 1, "torch quantized fp8": 1}
+    execution.run_fused(x, res, w, 1e-6, world_of_one, site, None, "torch", Caps())  # the exact route binds
+    assert len(bound) == 1
