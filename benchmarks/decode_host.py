@@ -197,7 +197,9 @@ def spread(values: list[float]) -> dict:
 PROFILE_STACKS_AFTER_S = 120  # a profiled call still running then prints every thread's stack (once)
 
 
-def profile_call(call, n: int) -> dict:
+def profile_call(call, n: int, inspect=None) -> dict:
+    """Kernels, GPU busy time and launches of `call(n)` under torch's profiler; `inspect(prof, n)`,
+    where given, sees the profile too (benchmarks/probes/probe_generate_ops.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()  # ranks start together: a collective kernel waiting for a late peer is not GPU work
@@ -210,6 +212,8 @@ def profile_call(call, n: int) -> dict:
             torch.cuda.synchronize()
     finally:
         faulthandler.cancel_dump_traceback_later()
+    if inspect is not None:
+        inspect(prof, n)
     tally = kernel_tally(prof)
     return {"kernels": tally["kernels"], "gpu_busy_ms": tally["gpu_busy_us"] / 1e3,
             "graph_launches": tally["graph_launches"], "kernel_launches": tally["kernel_launches"]}

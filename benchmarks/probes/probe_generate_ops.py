@@ -11,14 +11,10 @@ next to on, largest difference first. Writes the long calls' Chrome traces to --
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import sys
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_hf_decode  # noqa: E402
@@ -37,27 +33,17 @@ def main() -> int:
         argv.append("--flashinfer-host-path")
     out = Path(extra[extra.index("--out") + 1] if "--out" in extra else os.environ.get("OUT", "."))
 
-    def profile_call(call, n):
-        from torch.profiler import ProfilerActivity, profile
+    profile_call = decode_host.profile_call
 
+    def seen(prof, n):
         config = "on" if len(_order) >= 2 else "off"  # profile_variant: off's two lengths, then on's
         _order.append(config)
-        dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            call(n)
-            torch.cuda.synchronize()
-        table = collections.defaultdict(lambda: [0, 0.0])
-        for evt in prof.key_averages():
-            if evt.self_cpu_time_total > 0:
-                table[evt.key] = [evt.count, evt.self_cpu_time_total]
-        _seen[config, n] = dict(table)
+        _seen[config, n] = {e.key: [e.count, e.self_cpu_time_total] for e in prof.key_averages()
+                            if e.self_cpu_time_total > 0}
         if n == max(ns for c, ns in _seen if c == config):
             prof.export_chrome_trace(str(out / f"trace_{config}_{n}.json"))
-        tally = decode_host.kernel_tally(prof)
-        return {"kernels": tally["kernels"], "gpu_busy_ms": tally["gpu_busy_us"] / 1e3,
-                "graph_launches": tally["graph_launches"], "kernel_launches": tally["kernel_launches"]}
 
-    decode_host.profile_call = profile_call
+    decode_host.profile_call = lambda call, n: profile_call(call, n, inspect=seen)
     bench_hf_decode.main(argv)
     lengths = sorted({n for _, n in _seen})
     if len(lengths) != 2 or len(_seen) != 4:
