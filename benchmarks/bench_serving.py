@@ -42,7 +42,9 @@ copies, all-reduces), after the timed rows are saved.
 
 --fake-world N: one process standing for rank 0 of TP=N through torch's fake process group
 (collectives compute nothing): the host path, graphs and kernels of a TP=N rank, without peers;
-the pass runs its torch backend (FlashInfer needs peers). --shared-gpu: torchrun 2, both ranks on
+the pass runs its torch backend (FlashInfer needs peers), or with --flashinfer-host-path FlashInfer's
+host path up to its kernel call, which is skipped (the host cost of a fused site without its peers:
+the comparison for steps the host launches, --no-cuda-graphs). --shared-gpu: torchrun 2, both ranks on
 GPU 0 over gloo with FlashInfer (tests/gpu/shared_gpu.py; the ranks take turns: correctness and
 dispatch, not speed; the LM head is replicated and "off" runs without CUDA graphs, since gloo
 collectives cannot be captured). --above-cap: "on" caps the fused kernel and the fast all-reduce at
@@ -71,7 +73,7 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests" / "gpu")]
-from common import no_multicast, save_json  # noqa: E402
+from common import flashinfer_host_path_only, no_multicast, save_json  # noqa: E402
 from decode_model import init_world, model_config, random_checkpoint  # noqa: E402
 from serving_probes import (GcPauses, graph_work, host_profile, kernel_profile, record_steps,  # noqa: E402
                             step_summary)
@@ -201,6 +203,9 @@ def main() -> int:
                         "benchmarks/device/fa3_setup.sh sourced first")
     p.add_argument("--backend", default="auto")
     p.add_argument("--fake-world", type=int, default=0, metavar="N")
+    p.add_argument("--flashinfer-host-path", action="store_true",
+                   help="with --fake-world: the pass on FlashInfer's host path, its kernel call skipped "
+                        "(common.flashinfer_host_path_only; outputs wrong)")
     p.add_argument("--shared-gpu", action="store_true")
     p.add_argument("--above-cap", action="store_true",
                    help="every call of the pass's ops above its cap: the run-time fallback (see above)")
@@ -219,7 +224,11 @@ def main() -> int:
     p.add_argument("--out", default="results")
     args = p.parse_args()
     args.rank_of, args.argv = 0, sys.argv[1:]
+    if args.flashinfer_host_path and not args.fake_world:
+        p.error("--flashinfer-host-path stands in for peers: only with --fake-world")
     no_multicast()
+    if args.flashinfer_host_path:
+        flashinfer_host_path_only()
     fakes = contextlib.ExitStack()
     cuda = torch.cuda.is_available() and not args.cpu
     if args.shared_gpu:
@@ -239,6 +248,8 @@ def main() -> int:
     torch._dynamo.config.accumulated_recompile_limit = 1024
     say = print if rank == 0 else (lambda *a, **k: None)
     backend = args.backend if cuda and (args.above_cap or not args.fake_world) else "torch"
+    if args.flashinfer_host_path and cuda:
+        backend = "flashinfer"
     config, model, prepared = load(args, device)
     import transformers
 
@@ -258,6 +269,7 @@ def main() -> int:
                        "layers": config.num_hidden_layers, "hidden": config.hidden_size, "world": world,
                        "fake_world": args.fake_world, "shared_gpu": args.shared_gpu, "cuda_graphs": args.cuda_graphs,
                        "prompt": args.prompt, "new": args.new, "backend": backend, "prepared": prepared,
+                       "flashinfer_host_path": args.flashinfer_host_path,
                        "kv_padding": args.kv_padding or None, "attn": args.attn, "above_cap": args.above_cap,
                        "idle_wait_ms": args.idle_wait_ms,
                        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
