@@ -43,6 +43,7 @@ from arfusion.tuning import Progress
 from common import by_difference, dispatch_since, per_token_counts, wall_ms
 from decode_model import CONFIGS
 from decode_phases import kernel_tally
+from serving_probes import GcPauses
 
 REDONE = ("record_function", "run_eager")  # cudagraph trees' work that a steady-state call should not do
 
@@ -225,16 +226,20 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
     counters = torch._dynamo.utils.counters
     names = list(runners)
     out = {name: {"first_call_s": {}, "dispatch": collections.Counter()} for name in names}
+    pauses = GcPauses()
 
     def one(name: str, n: int) -> dict:
         before = arfusion.stats()
         graphs = counters["stats"]["unique_graphs"]
         tally = {}
+        pauses.reset()
         with runners[name].active(), cudagraph_tree_work(tally):
             ms = wall_ms(lambda: calls[name](n), b.device)
         out[name]["dispatch"].update(dispatch_since(before))  # what the fused op ran in this config's calls
+        gc_seen = pauses.summary(0, 0)
         return {"ms": ms, "graphs": counters["stats"]["unique_graphs"] - graphs, "work": tally,
-                "fused_sites": arfusion.stats()["fused_sites"] - before["fused_sites"]}
+                "fused_sites": arfusion.stats()["fused_sites"] - before["fused_sites"],
+                "gc_ms": gc_seen["ms"], "gc_full": gc_seen["full"]}
 
     dist.barrier()
     for name in names:  # compile and record, longest first
@@ -252,9 +257,14 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
         for name in order:
             long_call, short_call = one(name, long_n), one(name, short_n)
             per_token, fixed = by_difference(long_n, long_call["ms"], short_n, short_call["ms"])
+            without_gc, _ = by_difference(long_n, long_call["ms"] - long_call["gc_ms"], short_n,
+                                          short_call["ms"] - short_call["gc_ms"])
             redone = sum(c["work"].get(k, 0) for c in (long_call, short_call) for k in REDONE)
             pair[name] = {"long_ms": round(long_call["ms"], 3), "short_ms": round(short_call["ms"], 3),
                           "ms_per_token": round(per_token, 4), "fixed_ms": round(fixed, 3),
+                          "gc_ms": round(long_call["gc_ms"] + short_call["gc_ms"], 3),
+                          "gc_full": long_call["gc_full"] + short_call["gc_full"],
+                          "ms_per_token_without_gc": round(without_gc, 4),
                           "graphs_compiled": long_call["graphs"] + short_call["graphs"], "cudagraphs_redone": redone,
                           "replays": sum(c["work"].get("execute_node", 0) for c in (long_call, short_call))}
         pair["valid"] = not any(pair[n]["graphs_compiled"] or pair[n]["cudagraphs_redone"] for n in names)

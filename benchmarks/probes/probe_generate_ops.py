@@ -7,12 +7,19 @@ Runs benchmarks/bench_hf_decode.py (phase generate, --generate-mode default, --f
 profiled calls (one of each length per config, after the pairs) also go through this probe: each
 operator's and CUDA runtime call's host time per new token, by difference of the two lengths, off
 next to on, largest difference first. Writes the long calls' Chrome traces to --out.
+
+--cprofile: Python's profiler (cProfile) over those calls instead: each function's own time, the
+same C function's time per call in off and on (a state that slows everything one config runs shows
+there), into --out as cprof_CONFIG_N.txt.
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 from pathlib import Path
 
@@ -27,6 +34,8 @@ _order: list[str] = []
 
 def main() -> int:
     extra = sys.argv[1:]
+    python_profile = "--cprofile" in extra
+    extra = [a for a in extra if a != "--cprofile"]
     argv = ["--fake-world", "2", "--phases", "generate", "--generate-mode", "default", "--configs", "off", "on",
             "--pairs", "4", *extra]
     if "--backend" not in extra:
@@ -44,6 +53,11 @@ def main() -> int:
             prof.export_chrome_trace(str(out / f"trace_{config}_{n}.json"))
 
     decode_host.profile_call = lambda call, n: profile_call(call, n, inspect=seen)
+    if python_profile:
+        decode_host.profile_call = lambda call, n: python_profiled(call, n, out)
+        decode_host.per_token_counts = lambda *a: {"gpu_busy_ms": {"per_token": float("nan")}}
+        bench_hf_decode.main(argv)
+        return 0
     bench_hf_decode.main(argv)
     lengths = sorted({n for _, n in _seen})
     if len(lengths) != 2 or len(_seen) != 4:
@@ -68,6 +82,24 @@ def main() -> int:
     (out / "generate_ops.json").write_text(json.dumps(
         {"lengths": [short, long], "per_token": {"off": off, "on": on}}, indent=1))
     return 0
+
+
+def python_profiled(call, n: int, out: Path) -> dict:
+    """One call under cProfile (functions by own time, into out/cprof_CONFIG_N.txt)."""
+    import torch
+
+    config = "on" if len(_order) >= 2 else "off"
+    _order.append(config)
+    profile = cProfile.Profile()
+    profile.enable()
+    call(n)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(60)
+    (out / f"cprof_{config}_{n}.txt").write_text(text.getvalue())
+    return {}
 
 
 if __name__ == "__main__":
