@@ -338,13 +338,15 @@ def bound_scenario(calls, backend, group_name, rank):
     errors, unchecked, creates, steps = [], calls["unchecked"], len(calls["create"]), []
     arfusion.reset_stats()
 
-    def one(shape, residual=True, seed=0, scratch=False, max_bytes=None):
+    def one(shape, residual=True, seed=0, scratch=False, max_bytes=None, norm="rms", transposed=False):
         torch.manual_seed(100 * seed + rank)
         x = torch.randn(*shape, dtype=torch.bfloat16)
+        if transposed:  # the same shape and signature, not dense: the bound call reads a dense copy
+            x = torch.randn(*reversed(shape), dtype=torch.bfloat16).t()
         res = torch.randn(*shape, dtype=torch.bfloat16) if residual else None
         w = (1 + 0.1 * torch.randn(shape[-1])).to(torch.bfloat16)
-        want = reference.unfused(x, res, w, 1e-6, group_name, Form(residual=residual, norm="rms"))
-        args = (x, res, w, 1e-6, None, group_name, "rms", "none", None, True, "flashinfer", max_bytes)
+        want = reference.unfused(x, res, w, 1e-6, group_name, Form(residual=residual, norm=norm))
+        args = (x, res, w, 1e-6, None, group_name, norm, "none", None, True, "flashinfer", max_bytes)
         got = (torch.ops.arfusion.fused_allreduce_rmsnorm_ if scratch else torch.ops.arfusion.fused_allreduce_rmsnorm)(*args)
         if scratch:  # padded to MAX_OUTPUTS with empty tensors
             errors.extend(f"{shape}: padding {i}" for i, t in enumerate(got[2:]) if t.numel())
@@ -359,6 +361,9 @@ def bound_scenario(calls, backend, group_name, rank):
         one((2, 3, 64), seed=seed, scratch=seed > 0)  # run (checked), then bound twice
     for seed in range(2):
         one((5, 64), residual=False, seed=seed)  # the zero residual, bound with the signature
+    for seed in range(2):
+        one((4, 64), norm="gemma_rms", seed=seed)  # Gemma's norm: (1 + weight), bound with weight_bias 1
+    one((4, 64), norm="gemma_rms", seed=2, transposed=True)
     for seed in range(2):  # the plain fast all-reduce (kAllReduce): bound on its second call too
         torch.manual_seed(100 * seed + rank)
         x = torch.randn(3, 7, 64, dtype=torch.bfloat16)
@@ -493,10 +498,10 @@ def test_later_calls_of_a_signature_take_its_bound_kernel_call(two_rank_results)
         bound = results["bound"]
         assert bound["errors"] == []
         # Bound calls skip FlashInfer's metadata check: the 2nd and 3rd call of a signature, the
-        # zero-residual one's 2nd, the plain all-reduce's 2nd; none after a workspace changed
-        # until the signature ran again.
-        assert bound["unchecked_after_each"] == [0, 1, 2, 2, 3, 3, 4, 4, 4, 5, 5, 6]
-        assert bound["created"] == 2 and bound["dispatch"] == {"flashinfer": 10, "flashinfer all-reduce": 2}
+        # zero-residual one's 2nd, the Gemma-norm one's 2nd and 3rd (x not dense), the plain
+        # all-reduce's 2nd; none after a workspace changed until the signature ran again.
+        assert bound["unchecked_after_each"] == [0, 1, 2, 2, 3, 3, 4, 5, 5, 6, 6, 6, 7, 7, 8]
+        assert bound["created"] == 2 and bound["dispatch"] == {"flashinfer": 13, "flashinfer all-reduce": 2}
 
 
 @pytest.mark.parametrize("name", ["fail_build", "fail_create", "low_memory"])
