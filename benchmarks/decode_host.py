@@ -17,7 +17,8 @@ Before the pairs, each config makes one call of each length, longest first (comp
 recording; HF keeps the largest static cache seen, so one cache then serves every call). A pair
 in which any call compiled a graph, recorded a CUDA graph again or ran cudagraph trees' eager
 warm-up is excluded from the medians and counted (with what happened); pairs are added until
---pairs valid ones exist or twice as many were tried.
+--pairs valid ones exist or twice as many were tried. Each pair also records each config's
+garbage collections in its calls (ms, full ones) and its ms per token without them.
 
 Per config, alongside: the first calls' seconds, sites fused in the graphs its calls compiled,
 and on GPU, once every variant's pairs are measured and saved, the profiler over one call of

@@ -12,6 +12,7 @@ per token (by difference of two lengths) and the fixed cost per call apart.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import statistics
 import subprocess
@@ -251,6 +252,8 @@ def test_excluded_pairs_and_spread():
         def call(n):
             redone.append(made[name] in redo.get(name, ()))
             made[name] += 1
+            if name == "off" and n == 144:
+                gc.collect()  # a full collection inside each of off's long calls: counted, its time apart
             return 50 + rate * n
         return call
 
@@ -276,6 +279,10 @@ def test_excluded_pairs_and_spread():
     assert out["off"]["ms_per_token"] == pytest.approx(10) and out["on"]["ms_per_token"] == pytest.approx(8)
     assert out["on_speedup"]["median"] == pytest.approx(1.25) and out["on_speedup"]["n"] == 3
     assert out["off"]["fixed_ms"] == pytest.approx(50)
+    for p in out["pairs"]:
+        assert p["off"]["gc_full"] >= 1 and p["off"]["gc_ms"] > 0
+        assert p["off"]["ms_per_token_without_gc"] < p["off"]["ms_per_token"]
+        assert p["on"]["ms_per_token_without_gc"] == pytest.approx(p["on"]["ms_per_token"], abs=0.01)
 
 
 def test_profiles_run_after_every_variants_pairs_are_saved():
