@@ -83,7 +83,7 @@ import torch.distributed as dist  # noqa: E402
 from arfusion.backends import get_backend  # noqa: E402
 from arfusion.decisions import Reason  # noqa: E402
 from arfusion.config import QUANTIZED_LEVELS  # noqa: E402
-from common import flashinfer_host_path_only, no_multicast  # noqa: E402
+from common import flashinfer_host_path_only, no_multicast, numa_placement  # noqa: E402
 from decode_host import parse_variant, phase_generate, phase_loop  # noqa: E402
 from decode_model import CONFIGS, PRESETS, Bench, one_rank_shape  # noqa: E402,F401  (one_rank_shape: tests)
 from decode_phases import phase_accuracy, phase_decode, phase_kernels, phase_prefill, phase_startup  # noqa: E402
@@ -157,6 +157,9 @@ def parse(argv):
                    help="with --fake-world on a GPU: the pass on FlashInfer, whose kernel call is skipped on a "
                         "stand-in workspace (common.flashinfer_host_path_only): the host path of TP=N's fused "
                         "sites, outputs wrong")
+    p.add_argument("--pin-numa", action="store_true",
+                   help="move the process to the CPUs of its GPU's NUMA node before anything loads (a host "
+                        "with one node: nothing to do); the placement is in the JSON's meta either way")
     p.add_argument("--init", default="hf", choices=["hf", "scaled"],
                    help="random weights: HF's init (std 0.02), or with the residual branches' output "
                         "projections scaled by 1/sqrt(2 * layers) (GPT-2's init, closer to trained models)")
@@ -237,6 +240,7 @@ def main(argv=None):
     if args.plot:
         plot(args.plot, args.png)
         return
+    args.numa = numa_placement(int(os.environ.get("LOCAL_RANK", 0)), pin=args.pin_numa)
     if args.flashinfer_host_path:
         flashinfer_host_path_only()
     if args.quantized:  # never NVLink multicast (NCCL NVLS, torch symmetric memory): as .device/setup.sh

@@ -255,6 +255,7 @@ class Bench:
             "init": a.init, "rank_of": a.rank_of, "unique_layers": a.unique_layers,
             "weights": "in memory" if in_memory else "checkpoint, TP plan",
             "moe_finalize": moe_finalize_opted_in(),  # FlashInfer's MoE finalize kernel, opt-in
+            "numa": getattr(a, "numa", None),  # the host's NUMA nodes, the GPU's, pinned or not (--pin-numa)
             "load_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d %H:%M"),
             "command": command}
         if a.fake_world:

@@ -58,7 +58,8 @@ STAGES = {
     "moe2": Stage(2, 560, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --phases decode kernels --floor "
                   "--batches 1 8 --tag moe", "Qwen3-30B-A3B shape decode step, 24 of 48 layers, with the floor"),
     # Without CUDA graphs: one H200 standing in for TP=2 (fake process group, FlashInfer's host path)
-    # made the pass 0.58-0.68x in five processes and 1.48x in one (docs/benchmarks.md, machine V).
+    # made the pass 0.58-0.68x in five processes and 1.48x in one (docs/benchmarks.md, machine V);
+    # run it also as generatedefaultmoe2:--pin-numa (each rank on its GPU's NUMA node's CPUs).
     "generatedefaultmoe2": Stage(2, 560, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --unique-layers 4 "
                                  "--phases generate --pairs 8 --lengths 72 8 --generate-mode default --gen-variants "
                                  "greedy:1 --tag generate_default_moe", "HF generate() of the Qwen3-30B-A3B shape "

@@ -614,3 +614,26 @@ def test_flashinfer_host_path_runs_everything_but_the_kernel(fake_pg, monkeypatc
     assert arfusion.stats()["dispatch"] == {"flashinfer": 1}
     assert [tuple(o.shape) for o in outs] == [(1, 3, 64), (1, 3, 64)]
     assert calls["create"] == [] and calls["fusion"] == [] and calls["direct"] == 0  # no workspace, no kernel
+
+
+def test_pin_numa_moves_the_process_to_its_gpus_node(tmp_path, monkeypatch):
+    """--pin-numa: the CPUs of the GPU's NUMA node (sysfs), before anything loads; one node or an
+    unknown GPU node: left as it is. The placement goes into the JSON's meta either way."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    for node, cpus in (("node0", "0-1"), ("node1", "2-3,6")):
+        (tmp_path / "devices/system/node" / node).mkdir(parents=True)
+        (tmp_path / "devices/system/node" / node / "cpulist").write_text(cpus + "\n")
+    pinned = []
+    monkeypatch.setattr(common.os, "sched_setaffinity", lambda pid, cpus: pinned.append(list(cpus)))
+    monkeypatch.setattr(common.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(common, "gpu_numa_node", lambda index, sysfs: 1)
+    assert common.numa_placement(0, pin=True, sysfs=str(tmp_path)) == {
+        "nodes": {"0": 2, "1": 3}, "gpu_node": 1, "pinned": True, "cpus": 4}
+    assert pinned == [[2, 3, 6]]
+    assert not common.numa_placement(0, pin=False, sysfs=str(tmp_path))["pinned"] and len(pinned) == 1
+    monkeypatch.setattr(common, "gpu_numa_node", lambda index, sysfs: None)
+    assert not common.numa_placement(0, pin=True, sysfs=str(tmp_path))["pinned"] and len(pinned) == 1
