@@ -110,3 +110,11 @@ def test_off_and_on_on_two_gloo_ranks(tmp_path):
         assert len(kernels) == 10 and any(k["name"] == "aten::mm" for k in kernels), kernels
         assert 0 < sum(k["share"] for k in kernels) <= 1.0001
         assert "Self CPU" in (tmp_path / f"kernels_{name}_rank0.txt").read_text()
+
+
+def test_flashinfer_host_path_stands_in_for_peers_only(monkeypatch, capsys):
+    """--flashinfer-host-path replaces the peers of a fake world: refused without --fake-world."""
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--cpu", "--flashinfer-host-path"])
+    with pytest.raises(SystemExit) as stop:
+        bench_serving.main()
+    assert stop.value.code == 2 and "only with --fake-world" in capsys.readouterr().err
