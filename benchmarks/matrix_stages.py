@@ -69,7 +69,7 @@ STAGES = {
 
 
 def plan() -> str:
-    lines = [f"{'stage':<15} {'GPUs':>4} {'limit':>6}  what / command"]
+    lines = [f"{'stage':<20} {'GPUs':>4} {'limit':>6}  what / command"]
     for name, s in STAGES.items():
-        lines.append(f"{name:<15} {s.gpus:>4} {s.limit_s:>5}s  {s.what}\n{'':<28}benchmarks/{s.script} {s.args}")
+        lines.append(f"{name:<20} {s.gpus:>4} {s.limit_s:>5}s  {s.what}\n{'':<33}benchmarks/{s.script} {s.args}")
     return "\n".join(lines)
