@@ -32,6 +32,12 @@ _seen: dict[tuple[str, int], dict[str, list]] = {}
 _order: list[str] = []
 
 
+def _next_config() -> str:
+    """The config of the next profiled call: profile_variant profiles off's two lengths, then on's."""
+    _order.append("on" if len(_order) >= 2 else "off")
+    return _order[-1]
+
+
 def main() -> int:
     extra = sys.argv[1:]
     python_profile = "--cprofile" in extra
@@ -45,8 +51,7 @@ def main() -> int:
     profile_call = decode_host.profile_call
 
     def seen(prof, n):
-        config = "on" if len(_order) >= 2 else "off"  # profile_variant: off's two lengths, then on's
-        _order.append(config)
+        config = _next_config()
         _seen[config, n] = {e.key: [e.count, e.self_cpu_time_total] for e in prof.key_averages()
                             if e.self_cpu_time_total > 0}
         if n == max(ns for c, ns in _seen if c == config):
@@ -88,8 +93,7 @@ def python_profiled(call, n: int, out: Path) -> dict:
     """One call under cProfile (functions by own time, into out/cprof_CONFIG_N.txt)."""
     import torch
 
-    config = "on" if len(_order) >= 2 else "off"
-    _order.append(config)
+    config = _next_config()
     profile = cProfile.Profile()
     profile.enable()
     call(n)
