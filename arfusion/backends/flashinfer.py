@@ -349,13 +349,14 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
         return out
 
     def bind(self, call: Call):
-        """The kernel's call worked out once (kernel.bound): plain all-reduces, unquantized sites."""
+        """The kernel's call worked out once (kernel.bound); quantized and scaled sites decline first."""
+        if call.form != PLAIN and (call.form.quant != "none" or call.input_scaled):
+            return None
         fic, state = kernel.comm_module(), self._groups[call.group_name]
         if call.form == PLAIN:
-            return kernel.bound(fic, state, fic.AllReduceFusionPattern.kAllReduce, call.tokens, call.hidden,
-                                **self._knobs(call))
+            return kernel.bound(fic, state, fic.AllReduceFusionPattern.kAllReduce, call.tokens, call.hidden, **self._knobs(call))
         zeros = None if call.form.residual else state.zeros.get(call.dtype)
-        if call.form.quant != "none" or call.input_scaled or (zeros is None and not call.form.residual):
+        if zeros is None and not call.form.residual:
             return None
         return kernel.bound(fic, state, fic.AllReduceFusionPattern.kARResidualRMSNorm, call.tokens, call.hidden,
                             None if zeros is None else zeros[: call.tokens * call.hidden],
