@@ -57,12 +57,12 @@ def main() -> int:
         if n == max(ns for c, ns in _seen if c == config):
             prof.export_chrome_trace(str(out / f"trace_{config}_{n}.json"))
 
-    decode_host.profile_call = lambda call, n: profile_call(call, n, inspect=seen)
-    if python_profile:
+    if python_profile:  # no torch profile to count kernels in: GPU busy time unknown
         decode_host.profile_call = lambda call, n: python_profiled(call, n, out)
         decode_host.per_token_counts = lambda *a: {"gpu_busy_ms": {"per_token": float("nan")}}
         bench_hf_decode.main(argv)
         return 0
+    decode_host.profile_call = lambda call, n: profile_call(call, n, inspect=seen)
     bench_hf_decode.main(argv)
     lengths = sorted({n for _, n in _seen})
     if len(lengths) != 2 or len(_seen) != 4:
