@@ -18,7 +18,9 @@ recording; HF keeps the largest static cache seen, so one cache then serves ever
 in which any call compiled a graph, recorded a CUDA graph again or ran cudagraph trees' eager
 warm-up is excluded from the medians and counted (with what happened); pairs are added until
 --pairs valid ones exist or twice as many were tried. Each pair also records each config's
-garbage collections in its calls (ms, full ones) and its ms per token without them.
+garbage collections in its calls (ms, full ones) and its ms per token without them, and of its long
+call what the host did (HostUse: CPU time and share, other threads, context switches, page faults,
+CPUs) and a fixed host probe run right after it (host_probe_us).
 
 Per config, alongside: the first calls' seconds, sites fused in the graphs its calls compiled,
 and on GPU, once every variant's pairs are measured and saved, the profiler over one call of
@@ -45,7 +47,7 @@ from arfusion.tuning import Progress
 from common import by_difference, dispatch_since, per_token_counts, wall_ms
 from decode_model import CONFIGS
 from decode_phases import kernel_tally
-from serving_probes import GcPauses
+from serving_probes import GcPauses, HostUse
 
 REDONE = ("record_function", "run_eager")  # cudagraph trees' work that a steady-state call should not do
 
@@ -222,6 +224,21 @@ def profile_call(call, n: int, inspect=None) -> dict:
             "graph_launches": tally["graph_launches"], "kernel_launches": tally["kernel_launches"]}
 
 
+def host_probe_us(device, n: int = 200) -> dict:
+    """Microseconds per call of two fixed host tasks, run right after a config's call while it is
+    still active: allocating a small tensor and viewing one (the dispatcher alone). Slower after
+    one config's calls than the other's: the process's state is slower (allocator, caches, CPU);
+    the same: the difference lies in what the config's own calls run."""
+    x = torch.empty(256, device=device)
+    out = {}
+    for name, task in (("empty", lambda: torch.empty(256, device=device)), ("view", lambda: x.view(16, 16))):
+        began = time.perf_counter()
+        for _ in range(n):
+            task()
+        out[name] = round(1e6 * (time.perf_counter() - began) / n, 3)
+    return out
+
+
 @functools.cache
 def _gc_pauses() -> GcPauses:
     """One recorder of garbage collections per process (each installs a gc callback for good)."""
@@ -242,12 +259,15 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
         tally = {}
         pauses.reset()
         with runners[name].active(), cudagraph_tree_work(tally):
+            use = HostUse()
             ms = wall_ms(lambda: calls[name](n), b.device)
+            host = use.since()
+            probe = host_probe_us(b.device)
         out[name]["dispatch"].update(dispatch_since(before))  # what the fused op ran in this config's calls
         gc_seen = pauses.summary(0, 0)
         return {"ms": ms, "graphs": counters["stats"]["unique_graphs"] - graphs, "work": tally,
                 "fused_sites": arfusion.stats()["fused_sites"] - before["fused_sites"],
-                "gc_ms": gc_seen["ms"], "gc_full": gc_seen["full"]}
+                "gc_ms": gc_seen["ms"], "gc_full": gc_seen["full"], "host": host, "probe_us": probe}
 
     dist.barrier()
     for name in names:  # compile and record, longest first
@@ -256,6 +276,7 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
             first = one(name, n)
             out[name]["first_call_s"][str(n)] = round(first["ms"] / 1e3, 2)
             fused = max(fused, first["fused_sites"])
+            out[name].setdefault("first_call_cpus", []).extend(first["host"]["cpus"])
         out[name]["fused_sites"] = fused  # in the graph its first calls compiled (0: graphs of an earlier variant)
         progress.update(f"{name} first calls {sum(out[name]['first_call_s'].values()):.1f} s")
     pairs, valid = [], []
@@ -273,6 +294,7 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
                           "gc_ms": round(long_call["gc_ms"] + short_call["gc_ms"], 3),
                           "gc_full": long_call["gc_full"] + short_call["gc_full"],
                           "ms_per_token_without_gc": round(without_gc, 4),
+                          "host": long_call["host"], "probe_us": long_call["probe_us"],
                           "graphs_compiled": long_call["graphs"] + short_call["graphs"], "cudagraphs_redone": redone,
                           "replays": sum(c["work"].get("execute_node", 0) for c in (long_call, short_call))}
         pair["valid"] = not any(pair[n]["graphs_compiled"] or pair[n]["cudagraphs_redone"] for n in names)
@@ -297,6 +319,10 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
         row["ms_per_token"] = round(statistics.median(per_token), 4) if per_token else None
         row["ms_per_token_spread"] = spread(per_token)
         row["fixed_ms"] = round(statistics.median(p[name]["fixed_ms"] for p in valid), 3) if valid else None
+        for key in ("empty", "view"):
+            row[f"probe_{key}_us"] = round(statistics.median(p[name]["probe_us"][key] for p in valid), 3) if valid else None
+        shares = [p[name]["host"]["main_cpu_share"] for p in valid if p[name]["host"]["main_cpu_share"] is not None]
+        row["main_cpu_share"] = round(statistics.median(shares), 3) if shares else None
         row["naive_ms_per_token"] = (round(statistics.median(p[name]["long_ms"] for p in valid) / long_n, 4)
                                      if valid else None)
     result = {**out, "pairs": pairs, "valid_pairs": len(valid), "excluded_pairs": len(pairs) - len(valid),
@@ -397,7 +423,8 @@ def variant_line(kind: str, label: str, row: dict) -> str:
             s = r["ms_per_token_spread"]
             busy = f", GPU busy {r['gpu_busy_ms_per_token']:.3f}" if r.get("gpu_busy_ms_per_token") is not None else ""
             parts.append(f"{name} {r['ms_per_token']:.3f} ms/token ({s['min']:.3f}-{s['max']:.3f}), "
-                         f"fixed {r['fixed_ms']:.1f} ms{busy}, {r['fused_sites']} sites")
+                         f"fixed {r['fixed_ms']:.1f} ms{busy}, {r['fused_sites']} sites, "
+                         f"probe {r.get('probe_empty_us')}/{r.get('probe_view_us')} us")
     speed = row.get("on_speedup") or {}
     ratio = (f"; on/off speed {speed['median']:.3f}x ({speed['min']:.3f}-{speed['max']:.3f})" if speed else "")
     return (f"{kind} {label}: " + "; ".join(parts) + ratio +

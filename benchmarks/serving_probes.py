@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import resource
+import threading
 import time
 from pathlib import Path
 
@@ -101,6 +104,56 @@ class GcPauses:
         return {"ms": round(1e3 * sum(d for _, d, _ in self.seen), 3), "collections": len(self.seen),
                 "full": sum(g == 2 for *_, g in self.seen),
                 "in_call": [[round(1e3 * (t - begin), 2), round(1e3 * d, 2), g] for t, d, g in inside]}
+
+
+def _this_cpu() -> int | None:
+    """The CPU this thread last ran on (Linux /proc), else None."""
+    try:
+        return int(Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _thread_ticks() -> dict:
+    """{thread id: (name, CPU clock ticks used)} for this process's threads (Linux /proc), else {}."""
+    ticks = {}
+    for task in Path("/proc/self/task").glob("[0-9]*"):
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            ticks[task.name] = ((task / "comm").read_text().strip(), int(fields[11]) + int(fields[12]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return ticks
+
+
+class HostUse:
+    """What the host did over a span of the calling thread: its CPU time and share of the wall
+    time, other threads' CPU time (and the busiest one), its context switches (involuntary: another
+    task took its CPU), minor page faults, the CPUs it was on at the start and at the end. On
+    machine V (2026-11-29) one config's every host call ran ~30% slower than the other's in the
+    same process; these tell a busy neighbour, a moved thread or page faults from slower code."""
+
+    def __init__(self):
+        self._tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+        self.begin = self._now()
+
+    def _now(self) -> dict:
+        ru = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+        return {"wall": time.perf_counter(), "thread": time.thread_time(), "process": time.process_time(),
+                "nivcsw": ru.ru_nivcsw, "nvcsw": ru.ru_nvcsw, "minflt": ru.ru_minflt, "cpu": _this_cpu(),
+                "threads": _thread_ticks()}
+
+    def since(self) -> dict:
+        a, b = self.begin, self._now()
+        wall, main = b["wall"] - a["wall"], b["thread"] - a["thread"]
+        others = {tid: (name, used - a["threads"].get(tid, (name, 0))[1]) for tid, (name, used) in b["threads"].items()}
+        others.pop(str(threading.get_native_id()), None)
+        busiest = max(others.values(), key=lambda t: t[1], default=("", 0))
+        return {"main_cpu_ms": round(1e3 * main, 3), "main_cpu_share": round(main / wall, 3) if wall > 0 else None,
+                "other_threads_cpu_ms": round(1e3 * max(0.0, b["process"] - a["process"] - main), 3),
+                "busiest_other_thread": [busiest[0], round(busiest[1] * self._tick_ms, 1)],
+                "involuntary_switches": b["nivcsw"] - a["nivcsw"], "voluntary_switches": b["nvcsw"] - a["nvcsw"],
+                "minor_faults": b["minflt"] - a["minflt"], "cpus": [a["cpu"], b["cpu"]]}
 
 
 @contextlib.contextmanager

@@ -283,6 +283,10 @@ def test_excluded_pairs_and_spread():
         assert p["off"]["gc_full"] >= 1 and p["off"]["gc_ms"] > 0
         assert p["off"]["ms_per_token_without_gc"] < p["off"]["ms_per_token"]
         assert p["on"]["ms_per_token_without_gc"] == pytest.approx(p["on"]["ms_per_token"], abs=0.01)
+        for name in ("off", "on"):  # what the host did in the long call, and the probe right after it
+            assert p[name]["host"]["main_cpu_ms"] >= 0 and p[name]["host"]["minor_faults"] >= 0
+            assert set(p[name]["probe_us"]) == {"empty", "view"} and min(p[name]["probe_us"].values()) > 0
+    assert out["off"]["probe_view_us"] > 0 and len(out["on"]["first_call_cpus"]) == 4
 
 
 def test_profiles_run_after_every_variants_pairs_are_saved():

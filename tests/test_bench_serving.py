@@ -118,3 +118,38 @@ def test_flashinfer_host_path_stands_in_for_peers_only(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         bench_serving.main()
     assert stop.value.code == 2 and "only with --fake-world" in capsys.readouterr().err
+
+
+def test_host_use_sees_a_busy_neighbour_and_page_faults():
+    """HostUse over a span: another thread spinning shows as other threads' CPU time (and as the
+    busiest one), touching fresh memory as this thread's minor page faults, and this thread's own
+    CPU time stays below the wall time it slept through."""
+    import threading
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from serving_probes import HostUse
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            sum(range(1000))
+
+    neighbour = threading.Thread(target=spin)
+    neighbour.start()
+    try:
+        use = HostUse()
+        touched = bytearray(64 << 20)  # 64 MiB of fresh pages, each written once
+        touched[::4096] = b"\1" * len(touched[::4096])
+        time.sleep(0.3)
+        seen = use.since()
+    finally:
+        stop.set()
+        neighbour.join()
+    assert seen["other_threads_cpu_ms"] > 100 and seen["busiest_other_thread"][1] >= 100
+    assert seen["minor_faults"] >= 1000
+    assert 0 < seen["main_cpu_share"] < 0.9 and seen["main_cpu_ms"] > 0
+    assert len(seen["cpus"]) == 2 and all(c is None or c >= 0 for c in seen["cpus"])
