@@ -60,7 +60,9 @@ compile time), so it measures that without peers. The pass fuses as on a real ra
 op runs the torch backend (FlashInfer and aiter need peers), so "on" GPU times are not arfusion's.
 With --flashinfer-host-path it runs FlashInfer's host path instead, up to the kernel call, which
 is skipped (a stand-in workspace): "on" then pays every host cost of a fused site but the
-kernel's launch, the comparison for steps the host launches (--generate-mode default).
+kernel's launch, the comparison for steps the host launches (--generate-mode default). With
+--nccl-host-path every all-reduce (off's above all) runs on a real group of one rank, NCCL's host
+path and kernel, where the fake group's costs next to nothing (benchmarks/nccl_host_path.py).
 
 Modules: decode_model.py (presets, model, Bench), decode_phases.py (startup .. kernels),
 decode_host.py (loop, generate), decode_report.py (table, plot), common.py (shared helpers).
@@ -157,6 +159,10 @@ def parse(argv):
                    help="with --fake-world on a GPU: the pass on FlashInfer, whose kernel call is skipped on a "
                         "stand-in workspace (common.flashinfer_host_path_only): the host path of TP=N's fused "
                         "sites, outputs wrong")
+    p.add_argument("--nccl-host-path", action="store_true",
+                   help="with --fake-world: every all-reduce (off's, and any the pass leaves) runs on a real "
+                        "group of one rank (NCCL on a GPU, gloo on CPU), so that it costs the host what a real "
+                        "rank's does (benchmarks/nccl_host_path.py); other collectives stay fake")
     p.add_argument("--pin-numa", action="store_true",
                    help="move the process to the CPUs of its GPU's NUMA node before anything loads (a host "
                         "with one node: nothing to do); the placement is in the JSON's meta either way")
@@ -212,8 +218,8 @@ def parse(argv):
             args.backend = "flashinfer"
         elif args.backend != "torch":  # FlashInfer and aiter build workspaces with their peers
             args.backend = "torch"
-    elif args.flashinfer_host_path:
-        p.error("--flashinfer-host-path stands in for peers: only with --fake-world")
+    elif args.flashinfer_host_path or args.nccl_host_path:
+        p.error("--flashinfer-host-path and --nccl-host-path stand in for peers: only with --fake-world")
     if args.configs != list(CONFIGS) and set(args.phases) & set(NEED_BOTH):
         p.error(f"--configs applies to loop and generate; {sorted(set(args.phases) & set(NEED_BOTH))} "
                 "compare off and on")

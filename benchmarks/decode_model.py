@@ -164,10 +164,11 @@ def random_checkpoint(config, device, root: str | None, init: str = "hf") -> str
     return path
 
 
-def init_world(args, cuda: bool) -> None:
+def init_world(args, cuda: bool):
     """torchrun's world (NCCL on GPUs, gloo on CPU), or with --fake-world N one process standing
     for rank 0 of N through torch's fake process group: the TP=N model's shards load and compile
-    as on a real rank, collectives return at once without computing (numbers wrong, host path real)."""
+    as on a real rank, collectives return at once without computing (numbers wrong, host path real).
+    With --nccl-host-path all-reduces run on a real one-rank group: that group (it counts them)."""
     if not args.fake_world:
         dist.init_process_group("nccl" if cuda else "gloo")
         return
@@ -175,6 +176,10 @@ def init_world(args, cuda: bool) -> None:
 
     # transformers derives the TP size from WORLD_SIZE and the device from LOCAL_RANK.
     os.environ.update(WORLD_SIZE=str(args.fake_world), RANK="0", LOCAL_RANK="0")
+    if getattr(args, "nccl_host_path", False):  # all-reduces on a real one-rank group (nccl_host_path.py)
+        import nccl_host_path
+
+        return nccl_host_path.init_world(args.fake_world, "nccl" if cuda else "gloo")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
 
 
@@ -187,7 +192,7 @@ class Bench:
         self.cuda = torch.cuda.is_available() and not args.cpu
         if self.cuda:
             torch.cuda.set_device(0 if args.fake_world else int(os.environ.get("LOCAL_RANK", 0)))
-        init_world(args, self.cuda)
+        self.one_rank = init_world(args, self.cuda)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         torch._dynamo.config.recompile_limit = 64  # off and on, per batch shape, share model.forward
@@ -264,7 +269,9 @@ class Bench:
                 "collectives return without computing, so numbers are wrong and times lack communication; "
                 "graphs, CUDA-graph replays and kernel launches are the real host path"
                 + ("; the fused op runs FlashInfer's host path and skips its kernel (a stand-in workspace)"
-                   if getattr(a, "flashinfer_host_path", False) else ""))
+                   if getattr(a, "flashinfer_host_path", False) else "")
+                + ("; every all-reduce runs NCCL's host path and kernel on a group of one rank "
+                   "(benchmarks/nccl_host_path.py)" if getattr(a, "nccl_host_path", False) else ""))
         self.say(f"{c.model_type}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, TP={self.world}"
                  f"{' (fake world)' if a.fake_world else ''} on {self.result['meta']['device']}, "
                  f"loaded in {self.result['meta']['load_s']} s")
@@ -312,6 +319,8 @@ class Bench:
 
     def save(self):
         self.result["meta"]["seconds"] = round(time.time() - self.started)
+        if self.one_rank is not None:
+            self.result["meta"]["all_reduces_on_one_rank"] = self.one_rank.all_reduces
         if self.rank == 0 and self.args.out:
             tag = f"_{self.args.tag}" if self.args.tag else ""
             fake = f"_fake{self.args.fake_world}" if self.args.fake_world else ""

@@ -641,3 +641,24 @@ def test_pin_numa_moves_the_process_to_its_gpus_node(tmp_path, monkeypatch):
     assert not common.numa_placement(0, pin=False, sysfs=str(tmp_path))["pinned"] and len(pinned) == 1
     monkeypatch.setattr(common, "gpu_numa_node", lambda index, sysfs: None)
     assert not common.numa_placement(0, pin=True, sysfs=str(tmp_path))["pinned"] and len(pinned) == 1
+
+
+@pytest.mark.multiproc
+def test_nccl_host_path_puts_every_all_reduce_on_a_real_group_of_one(tmp_path):
+    """--fake-world 2 --nccl-host-path: rank 0's shards on the fake group, but each all-reduce runs
+    on a real one-rank group (gloo here, NCCL on a GPU), so "off" pays a real rank's host path;
+    the TP plan's other collectives (the lm_head's all-gather) stay fake; both configs run."""
+    got = run_tiny(tmp_path, "--nccl-host-path", "--phases", "generate", "--generate-mode", "default",
+                   "--pairs", "2", "--lengths", "8", "4", "--gen-variants", "greedy:1", fake_world=True)
+    meta, row = got["json"]["meta"], got["json"]["phases"]["generate"]["variants"]["greedy_b1"]
+    # off's alone: two a layer a token, in its first calls and in two pairs (on's torch backend adds its own)
+    assert meta["all_reduces_on_one_rank"] >= 2 * LAYERS * (8 + 4) * 3
+    assert "group of one rank" in meta["fake_world_note"]
+    assert row["valid_pairs"] == 2 and row["on"]["fused_sites"] == 2 * LAYERS + 1
+    assert row["off"]["ms_per_token"] > 0 and row["on"]["ms_per_token"] > 0
+
+
+def test_nccl_host_path_only_with_a_fake_world():
+    done = subprocess.run([sys.executable, str(BENCH), "--nccl-host-path", "--tiny"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "only with --fake-world" in done.stderr
