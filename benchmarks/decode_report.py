@@ -61,11 +61,49 @@ def format_table(result: dict) -> str:
 
 
 
+def pair_rows(d: dict) -> list[tuple[str, list[float], float]]:
+    """(label, each valid pair's on/off speed, their median) for every loop or generate variant of
+    one decode_*.json: what a host-bound comparison's noise looks like, pair by pair."""
+    m = d["meta"]
+    where = ("NCCL on one rank" if m.get("all_reduces_on_one_rank") else "fake group") if m.get("fake_world") else "real"
+    rows = []
+    for kind in ("loop", "generate"):
+        for variant, row in d["phases"].get(kind, {}).get("variants", {}).items():
+            ratios = [p["on_speedup"] for p in row.get("pairs", []) if p.get("valid") and "on_speedup" in p]
+            if ratios:
+                rows.append((f"{m['model_type']} {m['layers']}L {kind} {variant}, off's all-reduce: {where}",
+                             ratios, row["on_speedup"]["median"]))
+    return rows
+
+
+def plot_pairs(data: list, png: str) -> None:
+    """Each variant's pairs as dots on one line, its median as a bar; 1.0 and 0.98 marked."""
+    plt = pyplot()
+    rows = [r for d in data for r in pair_rows(d)]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.6))
+    for y, (label, ratios, median) in enumerate(rows):
+        ax.scatter(ratios, [y] * len(ratios), s=14, alpha=0.6, color="tab:blue")
+        ax.plot([median, median], [y - 0.3, y + 0.3], color="black", lw=2)
+        ax.annotate(f"{median:.2f}x ({len(ratios)} pairs)", (median, y + 0.32), fontsize=7, ha="center")
+    ax.axvline(1.0, color="gray", lw=0.8)
+    ax.axvline(0.98, color="red", lw=0.8, ls=":", label="0.98x, the never-slower bar")
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
+    ax.invert_yaxis()  # the files' order, top down
+    m = data[0]["meta"]
+    ax.set(xlabel="on / off speed in one interleaved pair (> 1: faster with the pass)",
+           title=f"{m['device']}, {m['date'][:10]}: each pair's ratio, medians as bars")
+    ax.legend(fontsize=7, loc="lower right")
+    save_figure(fig, png)
+
+
 def plot(paths, png):
     plt = pyplot()
-    data = [d for d in (json.load(open(p)) for p in paths) if "rows" in d["phases"].get("decode", {})]
+    loaded = [json.load(open(p)) for p in paths]
+    data = [d for d in loaded if "rows" in d["phases"].get("decode", {})]
+    if not data and any(pair_rows(d) for d in loaded):  # loop / generate runs: their pairs
+        return plot_pairs([d for d in loaded if pair_rows(d)], png)
     if not data:
-        raise SystemExit("no decode rows in " + ", ".join(paths))
+        raise SystemExit("no decode rows or pairs in " + ", ".join(paths))
     fig, (ax_step, ax_acc) = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / (2 * len(data))
     for i, d in enumerate(data):

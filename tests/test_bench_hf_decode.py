@@ -662,3 +662,27 @@ def test_nccl_host_path_only_with_a_fake_world():
     done = subprocess.run([sys.executable, str(BENCH), "--nccl-host-path", "--tiny"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode != 0 and "only with --fake-world" in done.stderr
+
+
+def test_plot_of_host_runs_shows_each_pair(tmp_path):
+    """--plot on loop / generate results (no decode rows): each variant's pairs, labelled with what
+    off's all-reduce ran on (the fake group, or NCCL on one rank with --nccl-host-path)."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import decode_report
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    pairs = [{"valid": True, "on_speedup": r} for r in (0.9, 1.1, 1.2)] + [{"valid": False, "on_speedup": 0.1}]
+    run = {"meta": {"model_type": "qwen3_moe", "layers": 24, "fake_world": 2, "all_reduces_on_one_rank": 10,
+                    "device": "NVIDIA H200", "date": "2026-11-29 11:45"},
+           "phases": {"generate": {"variants": {"greedy_b1": {"pairs": pairs, "on_speedup": {"median": 1.1}}}}}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    assert decode_report.pair_rows(run) == [
+        ("qwen3_moe 24L generate greedy_b1, off's all-reduce: NCCL on one rank", [0.9, 1.1, 1.2], 1.1)]
+    decode_report.plot([str(path)], str(tmp_path / "pairs.png"))
+    assert (tmp_path / "pairs.png").stat().st_size > 10_000
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"meta": {}, "phases": {}}))
+    with pytest.raises(SystemExit, match="no decode rows or pairs"):
+        decode_report.plot([str(empty)], str(tmp_path / "x.png"))
