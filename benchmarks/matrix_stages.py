@@ -57,13 +57,13 @@ STAGES = {
     # 420 s was short at 24 layers on 4xH100 (2026-11-28: 100 s to write and load, batch 8 not reached).
     "moe2": Stage(2, 560, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --phases decode kernels --floor "
                   "--batches 1 8 --tag moe", "Qwen3-30B-A3B shape decode step, 24 of 48 layers, with the floor"),
-    # Without CUDA graphs: one H200 standing in for TP=2 (fake process group, FlashInfer's host path)
-    # made the pass 0.58-0.68x in five processes and 1.48x in one (docs/benchmarks.md, machine V);
-    # run it also as generatedefaultmoe2:--pin-numa (each rank on its GPU's NUMA node's CPUs).
+    # Without CUDA graphs, one H200 standing in for TP=2: 0.58-1.48x with off's all-reduces on the fake
+    # group (machine V), 1.07x and 1.11x with them on NCCL's host path (machine W, docs/benchmarks.md).
+    # The lent hosts' speed swings up to 2x from call to call: many short pairs.
     "generatedefaultmoe2": Stage(2, 560, "bench_hf_decode.py", "--model-type qwen3_moe --layers 24 --unique-layers 4 "
-                                 "--phases generate --pairs 8 --lengths 72 8 --generate-mode default --gen-variants "
+                                 "--phases generate --pairs 16 --lengths 24 8 --generate-mode default --gen-variants "
                                  "greedy:1 --tag generate_default_moe", "HF generate() of the Qwen3-30B-A3B shape "
-                                 "without CUDA graphs, 24 layers, greedy, batch 1, 8 pairs"),
+                                 "without CUDA graphs, 24 layers, greedy, batch 1, 16 pairs"),
     "moe2dsv2": Stage(2, 560, "bench_hf_decode.py", "--model-type deepseek_v2 --phases decode kernels --floor "
                       "--batches 1 8 --tag moe", "DeepSeek-V2-Lite shape decode step, all 27 layers, with the floor")}
 
