@@ -47,7 +47,7 @@ from arfusion.tuning import Progress
 from common import by_difference, dispatch_since, per_token_counts, wall_ms
 from decode_model import CONFIGS
 from decode_phases import kernel_tally
-from serving_probes import GcPauses, HostUse
+from serving_probes import GcPauses, HostUse, host_probe_us
 
 REDONE = ("record_function", "run_eager")  # cudagraph trees' work that a steady-state call should not do
 
@@ -222,21 +222,6 @@ def profile_call(call, n: int, inspect=None) -> dict:
     tally = kernel_tally(prof)
     return {"kernels": tally["kernels"], "gpu_busy_ms": tally["gpu_busy_us"] / 1e3,
             "graph_launches": tally["graph_launches"], "kernel_launches": tally["kernel_launches"]}
-
-
-def host_probe_us(device, n: int = 200) -> dict:
-    """Microseconds per call of two fixed host tasks, run right after a config's call while it is
-    still active: allocating a small tensor and viewing one (the dispatcher alone). Slower after
-    one config's calls than the other's: the process's state is slower (allocator, caches, CPU);
-    the same: the difference lies in what the config's own calls run."""
-    x = torch.empty(256, device=device)
-    out = {}
-    for name, task in (("empty", lambda: torch.empty(256, device=device)), ("view", lambda: x.view(16, 16))):
-        began = time.perf_counter()
-        for _ in range(n):
-            task()
-        out[name] = round(1e6 * (time.perf_counter() - began) / n, 3)
-    return out
 
 
 @functools.cache

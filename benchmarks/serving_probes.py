@@ -1,8 +1,9 @@
-"""Where a serving call's time goes (benchmarks/bench_serving.py): the steps transformers'
-continuous batching made and their time on the host and on the GPU, Python's garbage
-collections, CUDA graphs captured and Dynamo graphs compiled inside a call, cProfile of the
-generation thread, torch.profiler's kernel table and timeline. Each hooks into transformers or
-torch while installed; none changes what is computed.
+"""Where a serving call's time goes (benchmarks/bench_serving.py; decode_host.py uses some): the
+steps transformers' continuous batching made and their time on the host and on the GPU, Python's
+garbage collections, what the host did (CPU time, neighbours, page faults), a fixed host probe,
+CUDA graphs captured and Dynamo graphs compiled inside a call, cProfile of the generation thread,
+torch.profiler's kernel table and timeline. Each hooks into transformers or torch while
+installed; none changes what is computed.
 """
 
 from __future__ import annotations
@@ -154,6 +155,21 @@ class HostUse:
                 "busiest_other_thread": [busiest[0], round(busiest[1] * self._tick_ms, 1)],
                 "involuntary_switches": b["nivcsw"] - a["nivcsw"], "voluntary_switches": b["nvcsw"] - a["nvcsw"],
                 "minor_faults": b["minflt"] - a["minflt"], "cpus": [a["cpu"], b["cpu"]]}
+
+
+def host_probe_us(device, n: int = 200) -> dict:
+    """Microseconds per call of two fixed host tasks, run right after a config's call while it is
+    still active: allocating a small tensor and viewing one (the dispatcher alone). Slower after
+    one config's calls than the other's: the process's state is slower (allocator, caches, CPU);
+    the same: the difference lies in what the config's own calls run."""
+    x = torch.empty(256, device=device)
+    out = {}
+    for name, task in (("empty", lambda: torch.empty(256, device=device)), ("view", lambda: x.view(16, 16))):
+        began = time.perf_counter()
+        for _ in range(n):
+            task()
+        out[name] = round(1e6 * (time.perf_counter() - began) / n, 3)
+    return out
 
 
 @contextlib.contextmanager
