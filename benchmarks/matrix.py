@@ -75,15 +75,17 @@ def stage_folder(name: str, args: list[str], env: dict | None = None) -> str:
 
 
 def stage_command(name: str, out: Path, slot: int, limit_s: float, args: list[str] = ()) -> list[str]:
-    """torchrun of the stage's script; `slot`: its place in its group (its own port and random
+    """torchrun of the stage's script (plain python for a --fake-world stage); `slot`: its place in its group (its own port and random
     checkpoint folder: stages at the same time never write one checkpoint together, stages one
     after another reuse it)."""
     s = STAGES[name]
     extra = [] if s.script == "bench_fused_op.py" else ["--ckpt-dir", f"/tmp/arfusion-matrix-ckpt{slot}"]
     if s.script == "bench_hf_decode.py":  # no phase or variant starts after this: the stage ends with its results
         extra += ["--budget-s", str(int(limit_s - 90))]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(s.gpus), "--master-port",
-            str(29500 + 11 * slot), str(HERE / s.script), *s.args.split(), *extra, *args, "--out", str(out)]
+    launch = ([sys.executable] if "--fake-world" in s.args.split() else  # one process standing for a TP rank
+              [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(s.gpus), "--master-port",
+               str(29500 + 11 * slot)])
+    return [*launch, str(HERE / s.script), *s.args.split(), *extra, *args, "--out", str(out)]
 
 
 def stage_env(devices: list[int] | None, extra: dict) -> dict:
@@ -245,7 +247,8 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
     for row in out:
         row["machine"] = machine_key(meta, common["date"])
         if meta.get("fake_world") or meta.get("shared_gpu"):  # collectives that compute nothing, or ranks taking turns
-            row["path"] += " (fake world)" if meta.get("fake_world") else " (two ranks on one GPU)"
+            row["path"] += ((" (fake world, NCCL's host path)" if meta.get("all_reduces_on_one_rank") else " (fake world)")
+                            if meta.get("fake_world") else " (two ranks on one GPU)")
     return out
 
 

@@ -19,6 +19,8 @@ LLAMA_DECODE = "--phases decode kernels --floor --batches 1 8 32 --replays 200"
 GENERATE = "--phases generate --pairs 8 --lengths 128 16"  # + its variants: --gen-variants MODE:BATCH ...
 PREFILL = "--phases prefill --prefill 512 2048 8192 --quantized fp8 --replays 30"
 LLAMA70B = "--model-type llama70b --layers 80 --unique-layers 20"
+STANDIN = ("--fake-world 2 --flashinfer-host-path --nccl-host-path --phases generate --generate-mode default "
+           "--lengths 24 8 --pairs 12")
 STAGES = {
     **{f"site{n}": Stage(n, 200, "bench_fused_op.py", "--hidden 4096 8192", "one site, T = 1 ... 8192, bf16") for n in (2, 4)},
     **{f"sitequant{n}": Stage(n, 240, "bench_fused_op.py",
@@ -64,6 +66,13 @@ STAGES = {
                                  "--phases generate --pairs 16 --lengths 24 8 --generate-mode default --gen-variants "
                                  "greedy:1 --tag generate_default_moe", "HF generate() of the Qwen3-30B-A3B shape "
                                  "without CUDA graphs, 24 layers, greedy, batch 1, 16 pairs"),
+    # One GPU standing for TP=2's host path (a fake world whose all-reduces run NCCL's host path on one
+    # rank; the pass on FlashInfer's host path, kernel skipped): what one-GPU sessions can run.
+    **{f"defaultstandin{m}1": Stage(1, 560, "bench_hf_decode.py", f"{STANDIN} {shape} --tag generate_default{m}_standin",
+                                    f"TP=2's host path on one GPU: HF generate() without CUDA graphs, {what}, 12 pairs")
+       for m, shape, what in (("", "--gen-variants greedy:1 greedy:8", "Llama-3-8B, greedy, batch 1 and 8"),
+                              ("moe", "--model-type qwen3_moe --layers 24 --unique-layers 4 --gen-variants greedy:1 "
+                               "sample:1", "Qwen3-30B-A3B, 24 layers, greedy and sampling, batch 1"))},
     "moe2dsv2": Stage(2, 560, "bench_hf_decode.py", "--model-type deepseek_v2 --phases decode kernels --floor "
                       "--batches 1 8 --tag moe", "DeepSeek-V2-Lite shape decode step, all 27 layers, with the floor")}
 

@@ -227,3 +227,21 @@ def test_goals_read_each_row_by_its_measure():
         "quantized all-reduce, 8 MiB per rank, TP=2").endswith("| **no** |")
     rows[0].pop("comm_removed_pct")  # measured without the floor
     assert "not in this row (batch 1)" in matrix_goals.goals_table(rows)
+
+
+def test_one_gpu_stand_in_stages_run_as_one_plain_process(tmp_path):
+    """A --fake-world stage (one GPU standing for TP=2's host path) runs as one python process, not
+    under torchrun (bench_hf_decode refuses that); its rows say what stood in for the all-reduces."""
+    for name in ("defaultstandin1", "defaultstandinmoe1"):
+        cmd = matrix.stage_command(name, Path("/o"), 0, 560)
+        assert "torch.distributed.run" not in cmd and cmd[1].endswith("bench_hf_decode.py")
+        assert {"--fake-world", "--nccl-host-path", "--flashinfer-host-path"} <= set(cmd)
+        assert matrix.parse_spec(f"{name}@0")[1] == [0]
+    variant = {"off": {"ms_per_token": 24.0}, "on": {"ms_per_token": 20.0}, "excluded_pairs": 0,
+               "on_speedup": {"median": 1.2, "min": 0.9, "max": 1.5, "n": 12}}
+    data = {"meta": {"model_type": "llama", "layers": 32, "hidden": 4096, "world": 2, "fake_world": 2,
+                     "all_reduces_on_one_rank": 100, "device": "NVIDIA H200", "date": "2026-11-29 11:49"},
+            "phases": {"generate": {"mode": "default", "variants": {"greedy_b1": variant}}}}
+    (row,) = matrix.rows_from(tmp_path / "decode_llama_w2_fake2.json", data)
+    assert row["path"] == "HF generate() (fake world, NCCL's host path)" and row["speed"] == 1.2
+    assert row["case"] == "greedy, batch 1, default mode (no CUDA graphs)" and row["pairs"] == 12
