@@ -206,6 +206,9 @@ def main() -> int:
     p.add_argument("--flashinfer-host-path", action="store_true",
                    help="with --fake-world: the pass on FlashInfer's host path, its kernel call skipped "
                         "(common.flashinfer_host_path_only; outputs wrong)")
+    p.add_argument("--nccl-host-path", action="store_true",
+                   help="with --fake-world: every all-reduce on a real one-rank group (NCCL on a GPU), so that off "
+                        "pays a real rank's host path (nccl_host_path.py)")
     p.add_argument("--shared-gpu", action="store_true")
     p.add_argument("--above-cap", action="store_true",
                    help="every call of the pass's ops above its cap: the run-time fallback (see above)")
@@ -224,13 +227,14 @@ def main() -> int:
     p.add_argument("--out", default="results")
     args = p.parse_args()
     args.rank_of, args.argv = 0, sys.argv[1:]
-    if args.flashinfer_host_path and not args.fake_world:
-        p.error("--flashinfer-host-path stands in for peers: only with --fake-world")
+    if (args.flashinfer_host_path or args.nccl_host_path) and not args.fake_world:
+        p.error("--flashinfer-host-path and --nccl-host-path stand in for peers: only with --fake-world")
     no_multicast()
     if args.flashinfer_host_path:
         flashinfer_host_path_only()
     fakes = contextlib.ExitStack()
     cuda = torch.cuda.is_available() and not args.cpu
+    one_rank = None  # with --nccl-host-path: the one-rank group the all-reduces run on
     if args.shared_gpu:
         import shared_gpu
 
@@ -238,7 +242,7 @@ def main() -> int:
     else:
         if cuda:
             torch.cuda.set_device(0 if args.fake_world else int(os.environ.get("LOCAL_RANK", 0)))
-        init_world(args, cuda)
+        one_rank = init_world(args, cuda)
         if args.fake_world:  # continuous batching's scheduling group (gloo) joins the fake world too
             fakes.enter_context(fake_gloo_groups())
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -269,7 +273,7 @@ def main() -> int:
                        "layers": config.num_hidden_layers, "hidden": config.hidden_size, "world": world,
                        "fake_world": args.fake_world, "shared_gpu": args.shared_gpu, "cuda_graphs": args.cuda_graphs,
                        "prompt": args.prompt, "new": args.new, "backend": backend, "prepared": prepared,
-                       "flashinfer_host_path": args.flashinfer_host_path,
+                       "flashinfer_host_path": args.flashinfer_host_path, "nccl_host_path": args.nccl_host_path,
                        "kv_padding": args.kv_padding or None, "attn": args.attn, "above_cap": args.above_cap,
                        "idle_wait_ms": args.idle_wait_ms,
                        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
@@ -352,6 +356,8 @@ def main() -> int:
             row["on_over_off"] = {k: row["on"][k] / row["off"][k] for k in ("ttft_ms", "itl_ms", "tokens_per_s")}
             say(f"{requests} requests, on / off: " + ", ".join(f"{k} {v:.3f}" for k, v in row["on_over_off"].items())
                 + f"; tokens ok: {row['tokens']['ok']}")
+    if one_rank is not None:
+        result["meta"]["all_reduces_on_one_rank"] = one_rank.all_reduces
     if rank == 0:
         save_json(str(out), result)
     if rank == 0:

@@ -112,12 +112,27 @@ def test_off_and_on_on_two_gloo_ranks(tmp_path):
         assert "Self CPU" in (tmp_path / f"kernels_{name}_rank0.txt").read_text()
 
 
-def test_flashinfer_host_path_stands_in_for_peers_only(monkeypatch, capsys):
-    """--flashinfer-host-path replaces the peers of a fake world: refused without --fake-world."""
-    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--cpu", "--flashinfer-host-path"])
+@pytest.mark.parametrize("flag", ["--flashinfer-host-path", "--nccl-host-path"])
+def test_host_path_stand_ins_replace_peers_only(flag, monkeypatch, capsys):
+    """--flashinfer-host-path and --nccl-host-path replace the peers of a fake world: refused
+    without --fake-world."""
+    monkeypatch.setattr(sys, "argv", ["bench_serving.py", "--cpu", flag])
     with pytest.raises(SystemExit) as stop:
         bench_serving.main()
     assert stop.value.code == 2 and "only with --fake-world" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_fake_world_with_nccl_host_path_serves_off_and_on(tmp_path):
+    """--fake-world 2 --nccl-host-path: one process, the all-reduces on a real one-rank group (gloo
+    here), counted in the JSON; both configs serve and give the same tokens."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--cpu", "--tiny",
+                           "--fake-world", "2", "--nccl-host-path", "--mixes", "2", "--repeats", "1", "--prompt", "16",
+                           "--new", "4", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "serving_llama_w2_fake.json").read_text())
+    assert result["meta"]["nccl_host_path"] and result["meta"]["all_reduces_on_one_rank"] > 0
+    assert result["configs"]["on"]["fused_sites"] > 0 and result["mixes"]["2"]["tokens"]["ok"]
 
 
 def test_host_use_sees_a_busy_neighbour_and_page_faults():
