@@ -75,9 +75,9 @@ def stage_folder(name: str, args: list[str], env: dict | None = None) -> str:
 
 
 def stage_command(name: str, out: Path, slot: int, limit_s: float, args: list[str] = ()) -> list[str]:
-    """torchrun of the stage's script (plain python for a --fake-world stage); `slot`: its place in its group (its own port and random
-    checkpoint folder: stages at the same time never write one checkpoint together, stages one
-    after another reuse it)."""
+    """torchrun of the stage's script (plain python for a --fake-world stage); `slot`: its place in
+    its group (its own port and random checkpoint folder: stages at the same time never write one
+    checkpoint together, stages one after another reuse it)."""
     s = STAGES[name]
     extra = [] if s.script == "bench_fused_op.py" else ["--ckpt-dir", f"/tmp/arfusion-matrix-ckpt{slot}"]
     if s.script == "bench_hf_decode.py":  # no phase or variant starts after this: the stage ends with its results

@@ -5,9 +5,10 @@ torch's fake process group returns every collective at once: in a one-GPU stand-
 unfused all-reduces of "off" then cost the host next to nothing, while the pass's op runs its
 whole host path (one H200, 2026-11-29: the fake group's all-reduce and wait 36 us a site under
 torch's profiler, machine U; Inductor's all-reduce on NCCL 48-51 us in the site probe, machine T;
-docs/history/2026-11-29-default-mode-stand-in.md). Here rank 0 of N keeps the fake group for everything but all-reduce, which runs on a group
-of one rank of a real backend (NCCL on a GPU): its host path whole (work object, events, the
-kernel launch) and a kernel that reduces over one rank. Numbers stay wrong, as with the fake
+docs/history/2026-11-29-default-mode-stand-in.md). Here rank 0 of N keeps the fake group for
+everything but all-reduce, which runs on a group of one rank of a real backend (NCCL on a GPU):
+its host path whole (work object, events, the kernel launch) and a kernel that reduces over one
+rank. Numbers stay wrong, as with the fake
 group alone; what "off" pays the host per all-reduce is what a real rank pays, plus the hop
 through Python to get there (3 us a call on the CPU machine, torch 2.13: the functional all-reduce
 and its wait cost 7.0 us on the fake group, 10.1 with this hop to a fake group of one). Every
