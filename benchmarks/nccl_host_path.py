@@ -37,6 +37,7 @@ class AllReduceOnOne(dist.ProcessGroup):
         self._one, self._fake = one, FakeProcessGroup._create_internal(rank, world)
         for device in ("cpu", "cuda"):  # what reaches a group's backend directly meets the fake one
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self._fake)
+        self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)  # torch 2.15 asks for it at init
         self.all_reduces = 0
 
     def getBackendName(self) -> str:
