@@ -159,12 +159,12 @@ def test_host_use_sees_a_busy_neighbour_and_page_faults():
         use = HostUse()
         touched = bytearray(64 << 20)  # 64 MiB of fresh pages, each written once
         touched[::4096] = b"\1" * len(touched[::4096])
-        time.sleep(0.3)
+        time.sleep(0.6)
         seen = use.since()
     finally:
         stop.set()
         neighbour.join()
     assert seen["other_threads_cpu_ms"] > 100 and seen["busiest_other_thread"][1] >= 100
-    assert seen["minor_faults"] >= 1000
+    assert seen["minor_faults"] >= 16  # 16,384 small pages, or 32 where transparent huge pages back them
     assert 0 < seen["main_cpu_share"] < 0.9 and seen["main_cpu_ms"] > 0
     assert len(seen["cpus"]) == 2 and all(c is None or c >= 0 for c in seen["cpus"])
