@@ -126,8 +126,9 @@ def numa_placement(device_index: int = 0, pin: bool = False, sysfs: str = "/sys"
     """The host's NUMA nodes (CPUs each), the GPU's node, this process's CPUs. With `pin`, the
     process first moves to the GPU's node's CPUs, so that what it allocates afterwards is local
     (Linux places a page on the node that first touches it) and both configs of a run share one
-    placement. On machine V (2026-11-29) every host call of one config was ~30% slower in five
-    processes of six, cause not found; pinning rules out placement by chance."""
+    placement. Machine V (2026-11-29) raised it as a cause of one config's slower host calls;
+    machine W's host had one node, and the cause was elsewhere (docs/history/2026-11-29-default-
+    mode-stand-in.md). The record stays: a host with several nodes can still place a run badly."""
     nodes = {int(d.name[4:]): _cpus((d / "cpulist").read_text())
              for d in sorted(Path(sysfs, "devices/system/node").glob("node[0-9]*"))}
     gpu_node = gpu_numa_node(device_index, sysfs)

@@ -305,7 +305,8 @@ def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
         row["ms_per_token_spread"] = spread(per_token)
         row["fixed_ms"] = round(statistics.median(p[name]["fixed_ms"] for p in valid), 3) if valid else None
         for key in ("empty", "view"):
-            row[f"probe_{key}_us"] = round(statistics.median(p[name]["probe_us"][key] for p in valid), 3) if valid else None
+            probes = [p[name]["probe_us"][key] for p in valid]
+            row[f"probe_{key}_us"] = round(statistics.median(probes), 3) if probes else None
         shares = [p[name]["host"]["main_cpu_share"] for p in valid if p[name]["host"]["main_cpu_share"] is not None]
         row["main_cpu_share"] = round(statistics.median(shares), 3) if shares else None
         row["naive_ms_per_token"] = (round(statistics.median(p[name]["long_ms"] for p in valid) / long_n, 4)
