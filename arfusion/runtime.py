@@ -101,7 +101,9 @@ def _mark_token_dims(args) -> None:
 def compiled(fn):
     """`fn` under torch.compile, token dims dynamic, compiled on first use and never during
     CUDA-graph capture: there Inductor would compile and benchmark kernels outside the graph, so
-    a capture runs code compiled earlier when its guards pass and `fn` eagerly otherwise."""
+    a capture runs code compiled earlier when its guards pass and `fn` eagerly otherwise. An
+    eager run inside a capture stays in the graph, replayed at every step: it is counted
+    (`stats()["eager_in_cuda_graphs"]`) and logged once at INFO with the guards that failed."""
     # A private copy of the code object: dynamo's recompile limit (8) counts entries per code
     # object, and each site (and T == 1, dtype) is an entry of its own.
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
@@ -114,16 +116,49 @@ def compiled(fn):
             return fn(*args, **kwargs)
         try:
             _mark_token_dims(args)
-            if capturing():
-                with torch.compiler.set_stance("eager_on_recompile"):
-                    return fast(*args, **kwargs)
-            return fast(*args, **kwargs)
+            with torch.no_grad(), _below_autograd():
+                if capturing():
+                    return _in_capture(fn, fast, args, kwargs)
+                return fast(*args, **kwargs)
         except Exception as e:  # e.g. no working Triton: stay correct, just slower
             broken.append(f"{type(e).__name__}: {e}")
             log_once(f"arfusion: compiling {fn.__name__} failed, running it eagerly: {broken[0][:300]}")
             return fn(*args, **kwargs)
 
     return run
+
+
+def _below_autograd():
+    """Dispatch below autograd, as a kernel does. Dynamo's tensor guards compare dispatch keys after
+    this thread's exclusions, so here an inference tensor and a normal one (an activation made under
+    transformers' inference mode, a weight made before it) pass the same guards, and under grad mode
+    or not. Without it a serving loop recompiled the unfused path's norm, and its CUDA-graph captures,
+    which cannot compile, ran it eagerly at every replay (16-20% of an 8192-token prefill step at
+    TP=2 on 4xH200, docs/benchmarks.md, machine X)."""
+    keys = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+            | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
+    return torch._C._ExcludeDispatchKeyGuard(keys)
+
+
+_RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+
+def _in_capture(fn, fast, args, kwargs):
+    """fast(...) where code compiled earlier passes its guards; else fn eagerly, counted and logged
+    (the guards' failures are what Dynamo's fail_on_recompile stance reports)."""
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return fast(*args, **kwargs)
+    except RuntimeError as e:
+        if _RECOMPILE not in str(e):
+            raise
+        why = " ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip().startswith("- "))
+    from . import stats  # here, not at the top: stats is read by the pass, runtime by everything
+
+    stats.record_eager_in_capture(fn.__name__)
+    log_once(f"arfusion: {fn.__name__} ran eagerly inside a CUDA-graph capture (no compiled version passed its "
+             f"guards; every replay runs it eagerly): {why[:600] or 'no compiled version yet'}")
+    return fn(*args, **kwargs)
 
 
 _scalars: dict[int, tuple[Any, int, float]] = {}  # id -> (weak ref, version, value)

@@ -22,6 +22,7 @@ _why_not: Counter[str] = Counter()  # reason's message -> all-reduces left unfus
 _why_not_codes: Counter[str] = Counter()  # reason's code -> all-reduces left unfused for it (stable)
 _dispatch: Counter[str] = Counter()
 _captured: Counter[str] = Counter()  # the dispatches made while a CUDA graph was being captured
+_eager_in_capture: Counter[str] = Counter()  # compiled helper -> its eager runs inside CUDA-graph captures
 _left: Counter[str] = Counter()  # all_reduces the pass left unfused: "total", "on_callers_stream"
 _collectives: Counter[str] = Counter()  # all-reduce rewrites before fusion (patterns.collectives)
 _splits: Counter[str] = Counter()  # function whose graph break split all-reduces from their norms -> how many
@@ -107,6 +108,12 @@ def record_dispatch(key: str, captured: bool = False) -> None:
             _captured[key] += 1
 
 
+def record_eager_in_capture(name: str) -> None:
+    """A compiled helper (runtime.compiled) ran eagerly inside a CUDA-graph capture."""
+    with _lock:
+        _eager_in_capture[name] += 1
+
+
 def stats() -> dict:
     """{"fused_sites", "by_pattern", "unfused_sites", "unfused_on_callers_stream", "why_not",
     "dispatch", "graphs", "pass_seconds"} for this process.
@@ -131,7 +138,9 @@ def stats() -> dict:
     fused into a site). dispatch counts op calls per backend: fused calls by backend name, or
     "fallback" when a call ran unfused; fast-path calls as "<backend> all-reduce", or "nccl
     all-reduce" where the fast path declined at run time. dispatch_in_cuda_graphs counts, the same
-    way, the calls made while a CUDA graph was being captured (each then runs at every replay).
+    way, the calls made while a CUDA graph was being captured (each then runs at every replay);
+    eager_in_cuda_graphs counts, by function, the unfused path's compiled helpers (the norm after
+    NCCL's all-reduce) that ran eagerly in a capture because no compiled version passed its guards.
     split_by_graph_breaks counts, by the function where Dynamo broke the graph, the all-reduces
     whose norm that break put in another graph (arfusion.graph_breaks), so they could not fuse.
     pass_seconds is the time spent inside the pass (what it adds to compiles).
@@ -156,6 +165,7 @@ def stats() -> dict:
             "split_by_graph_breaks": dict(_splits),
             "dispatch": dict(_dispatch),
             "dispatch_in_cuda_graphs": dict(_captured),
+            "eager_in_cuda_graphs": dict(_eager_in_capture),
             "graphs": _graphs,
             "pass_seconds": _pass_seconds,
         }
@@ -176,6 +186,7 @@ def reset_stats() -> None:
         _left.clear()
         _dispatch.clear()
         _captured.clear()
+        _eager_in_capture.clear()
         _graphs = 0
 
 

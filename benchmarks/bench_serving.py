@@ -223,6 +223,8 @@ def main() -> int:
                         "(trace_CONFIG_rankR.json.gz)")
     p.add_argument("--idle-wait-ms", type=float, default=1.0,
                    help="longest wait of an idle generation loop for new requests (100: transformers' own)")
+    p.add_argument("--log-info", action="store_true",
+                   help="print arfusion's INFO lines (what it fused, what ran unfused and why) to stderr")
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--out", default="results")
     args = p.parse_args()
@@ -230,6 +232,11 @@ def main() -> int:
     if (args.flashinfer_host_path or args.nccl_host_path) and not args.fake_world:
         p.error("--flashinfer-host-path and --nccl-host-path stand in for peers: only with --fake-world")
     no_multicast()
+    if args.log_info:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        logging.getLogger("arfusion").addHandler(handler)
+        logging.getLogger("arfusion").setLevel(logging.INFO)
     if args.flashinfer_host_path:
         flashinfer_host_path_only()
     fakes = contextlib.ExitStack()
@@ -343,6 +350,7 @@ def main() -> int:
         stats = arfusion.stats()
         result["configs"][name] = {"first_call_s": first.seconds, "fused_sites": stats["fused_sites"],
                                    "dispatch": stats["dispatch"], "dispatch_in_cuda_graphs": stats["dispatch_in_cuda_graphs"],
+                                   "eager_in_cuda_graphs": stats["eager_in_cuda_graphs"],
                                    "split_by_graph_breaks": stats["split_by_graph_breaks"], "graphs": stats["graphs"],
                                    "python_threads": threads, **profiled}
         if rank == 0:

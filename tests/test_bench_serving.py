@@ -128,11 +128,14 @@ def test_fake_world_with_nccl_host_path_serves_off_and_on(tmp_path):
     here), counted in the JSON; both configs serve and give the same tokens."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--cpu", "--tiny",
                            "--fake-world", "2", "--nccl-host-path", "--mixes", "2", "--repeats", "1", "--prompt", "16",
-                           "--new", "4", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           "--new", "4", "--log-info", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "serving_llama_w2_fake.json").read_text())
     assert result["meta"]["nccl_host_path"] and result["meta"]["all_reduces_on_one_rank"] > 0
     assert result["configs"]["on"]["fused_sites"] > 0 and result["mixes"]["2"]["tokens"]["ok"]
+    assert result["configs"]["on"]["eager_in_cuda_graphs"] == {}
+    assert "arfusion INFO arfusion: fused" in done.stderr  # --log-info: what the pass did, as it says it
 
 
 def test_host_use_sees_a_busy_neighbour_and_page_faults():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -110,6 +113,50 @@ def test_never_compiles_during_capture(monkeypatch):
     assert counters["stats"]["unique_graphs"] == 1  # dynamic shapes: no new graph in the capture
     fast(torch.randn(7, 64, dtype=torch.float64))  # would need a recompile: runs eagerly instead
     assert counters["stats"]["unique_graphs"] == 1
+    assert arfusion.stats()["eager_in_cuda_graphs"] == {"_norm_only": 2}  # the first call and this one
+
+
+def _norm_with_weight(h, w):
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def test_a_capture_under_inference_mode_runs_what_no_grad_compiled(monkeypatch, caplog):
+    """transformers' serving loop warms up under no_grad and captures later steps' CUDA graphs in its
+    own thread under inference mode: there activations are inference tensors and the weights are
+    not. Their dispatch keys differed from what the first compile saw, so Dynamo's guards failed,
+    and a capture, which cannot compile, ran the norm eagerly at every replay (machine X). Now the
+    compiled code passes its guards there, under grad mode too; a real mismatch (a new dtype) still
+    runs eagerly, counted and logged with Dynamo's reason."""
+    counters.clear()
+    fast = runtime.compiled(_norm_with_weight)
+    w = torch.nn.Parameter(torch.rand(64) + 0.5, requires_grad=False)
+    with torch.no_grad():
+        fast(torch.randn(4, 64), w)
+    assert counters["stats"]["unique_graphs"] == 1
+    monkeypatch.setattr(runtime, "capturing", lambda: True)
+    got = {}
+
+    def serving_thread():
+        with torch.inference_mode():
+            h = torch.randn(9, 64)
+            got["inference"] = (fast(h, w), _norm_with_weight(h, w))
+
+    worker = threading.Thread(target=serving_thread)
+    worker.start()
+    worker.join()
+    h = torch.randn(5, 64)
+    got["grad mode"] = (fast(h, w), _norm_with_weight(h, w))
+    for name, (out, want) in got.items():
+        assert torch.allclose(out, want, atol=1e-5), name
+    assert got["inference"][0].is_inference()  # as the eager function would make it there
+    assert counters["stats"]["unique_graphs"] == 1 and arfusion.stats()["eager_in_cuda_graphs"] == {}
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        h = torch.randn(5, 64, dtype=torch.float64)
+        assert torch.allclose(fast(h, w.double()), _norm_with_weight(h, w.double()))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert arfusion.stats()["eager_in_cuda_graphs"] == {"_norm_with_weight": 1}
+    assert "_norm_with_weight ran eagerly inside a CUDA-graph capture" in caplog.text
+    assert "dtype mismatch" in caplog.text  # Dynamo's own reason
 
 
 def test_a_failing_compile_falls_back_to_eager(monkeypatch):
