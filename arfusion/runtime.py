@@ -14,6 +14,8 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import stats
+
 T = TypeVar("T")
 log = logging.getLogger("arfusion")
 _logged: set[str] = set()
@@ -133,11 +135,13 @@ def _below_autograd():
     this thread's exclusions, so here an inference tensor and a normal one (an activation made under
     transformers' inference mode, a weight made before it) pass the same guards, and under grad mode
     or not. Without it a serving loop recompiled the unfused path's norm, and its CUDA-graph captures,
-    which cannot compile, ran it eagerly at every replay (16-20% of an 8192-token prefill step at
+    which cannot compile, ran it eagerly at every replay (about 20% of an 8192-token prefill step at
     TP=2 on 4xH200, docs/benchmarks.md, machine X)."""
-    keys = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
-            | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
-    return torch._C._ExcludeDispatchKeyGuard(keys)
+    return torch._C._ExcludeDispatchKeyGuard(_AUTOGRAD_KEYS)
+
+
+_AUTOGRAD_KEYS = (torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+                  | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView))
 
 
 _RECOMPILE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
@@ -153,8 +157,6 @@ def _in_capture(fn, fast, args, kwargs):
         if _RECOMPILE not in str(e):
             raise
         why = " ".join(line.strip() for line in str(e).splitlines()[1:] if line.strip().startswith("- "))
-    from . import stats  # here, not at the top: stats is read by the pass, runtime by everything
-
     stats.record_eager_in_capture(fn.__name__)
     log_once(f"arfusion: {fn.__name__} ran eagerly inside a CUDA-graph capture (no compiled version passed its "
              f"guards; every replay runs it eagerly): {why[:600] or 'no compiled version yet'}")
