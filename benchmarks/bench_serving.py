@@ -353,6 +353,8 @@ def main() -> int:
                                    "eager_in_cuda_graphs": stats["eager_in_cuda_graphs"],
                                    "split_by_graph_breaks": stats["split_by_graph_breaks"], "graphs": stats["graphs"],
                                    "python_threads": threads, **profiled}
+        if stats["eager_in_cuda_graphs"]:  # each replays eagerly: timings of this config are not the pass's
+            say(f"{name}: ran eagerly inside CUDA-graph captures: {stats['eager_in_cuda_graphs']} (--log-info says why)")
         if rank == 0:
             save_json(str(out), result)
     for requests in mixes:
