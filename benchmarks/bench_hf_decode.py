@@ -85,7 +85,8 @@ import torch.distributed as dist  # noqa: E402
 from arfusion.backends import get_backend  # noqa: E402
 from arfusion.decisions import Reason  # noqa: E402
 from arfusion.config import QUANTIZED_LEVELS  # noqa: E402
-from common import flashinfer_host_path_only, no_multicast, numa_placement  # noqa: E402
+from common import (HOST_PATHS_NEED_FAKE_WORLD, add_host_path_args, flashinfer_host_path_only, no_multicast,  # noqa: E402
+                    numa_placement)
 from decode_host import parse_variant, phase_generate, phase_loop  # noqa: E402
 from decode_model import CONFIGS, PRESETS, Bench, one_rank_shape  # noqa: E402,F401  (one_rank_shape: tests)
 from decode_phases import phase_accuracy, phase_decode, phase_kernels, phase_prefill, phase_startup  # noqa: E402
@@ -155,14 +156,7 @@ def parse(argv):
                    help="one process as rank 0 of TP=N through torch's fake process group (no torchrun): the "
                         "host path of TP=N without peers; collectives do not compute")
     p.add_argument("--backend", default="auto", choices=["auto", "flashinfer", "aiter", "torch"])
-    p.add_argument("--flashinfer-host-path", action="store_true",
-                   help="with --fake-world on a GPU: the pass on FlashInfer, whose kernel call is skipped on a "
-                        "stand-in workspace (common.flashinfer_host_path_only): the host path of TP=N's fused "
-                        "sites, outputs wrong")
-    p.add_argument("--nccl-host-path", action="store_true",
-                   help="with --fake-world: every all-reduce (off's, and any the pass leaves) runs on a real "
-                        "group of one rank (NCCL on a GPU, gloo on CPU), so that it costs the host what a real "
-                        "rank's does (benchmarks/nccl_host_path.py); other collectives stay fake")
+    add_host_path_args(p)
     p.add_argument("--pin-numa", action="store_true",
                    help="move the process to the CPUs of its GPU's NUMA node before anything loads (a host "
                         "with one node: nothing to do); the placement is in the JSON's meta either way")
@@ -219,7 +213,7 @@ def parse(argv):
         elif args.backend != "torch":  # FlashInfer and aiter build workspaces with their peers
             args.backend = "torch"
     elif args.flashinfer_host_path or args.nccl_host_path:
-        p.error("--flashinfer-host-path and --nccl-host-path stand in for peers: only with --fake-world")
+        p.error(HOST_PATHS_NEED_FAKE_WORLD)
     if args.configs != list(CONFIGS) and set(args.phases) & set(NEED_BOTH):
         p.error(f"--configs applies to loop and generate; {sorted(set(args.phases) & set(NEED_BOTH))} "
                 "compare off and on")

@@ -73,7 +73,8 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests" / "gpu")]
-from common import flashinfer_host_path_only, no_multicast, save_json  # noqa: E402
+from common import (HOST_PATHS_NEED_FAKE_WORLD, add_host_path_args, flashinfer_host_path_only,  # noqa: E402
+                    log_arfusion_info, no_multicast, save_json)
 from decode_model import init_world, model_config, random_checkpoint  # noqa: E402
 from serving_probes import (GcPauses, graph_work, host_profile, kernel_profile, record_steps,  # noqa: E402
                             step_summary)
@@ -203,12 +204,7 @@ def main() -> int:
                         "benchmarks/device/fa3_setup.sh sourced first")
     p.add_argument("--backend", default="auto")
     p.add_argument("--fake-world", type=int, default=0, metavar="N")
-    p.add_argument("--flashinfer-host-path", action="store_true",
-                   help="with --fake-world: the pass on FlashInfer's host path, its kernel call skipped "
-                        "(common.flashinfer_host_path_only; outputs wrong)")
-    p.add_argument("--nccl-host-path", action="store_true",
-                   help="with --fake-world: every all-reduce on a real one-rank group (NCCL on a GPU), so that off "
-                        "pays a real rank's host path (nccl_host_path.py)")
+    add_host_path_args(p)
     p.add_argument("--shared-gpu", action="store_true")
     p.add_argument("--above-cap", action="store_true",
                    help="every call of the pass's ops above its cap: the run-time fallback (see above)")
@@ -230,13 +226,10 @@ def main() -> int:
     args = p.parse_args()
     args.rank_of, args.argv = 0, sys.argv[1:]
     if (args.flashinfer_host_path or args.nccl_host_path) and not args.fake_world:
-        p.error("--flashinfer-host-path and --nccl-host-path stand in for peers: only with --fake-world")
+        p.error(HOST_PATHS_NEED_FAKE_WORLD)
     no_multicast()
     if args.log_info:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
-        logging.getLogger("arfusion").addHandler(handler)
-        logging.getLogger("arfusion").setLevel(logging.INFO)
+        log_arfusion_info()
     if args.flashinfer_host_path:
         flashinfer_host_path_only()
     fakes = contextlib.ExitStack()

@@ -7,7 +7,9 @@ own (`arfusion.tuning`); import them from there.
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -23,6 +25,32 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 def no_multicast() -> None:
     """Set NO_MULTICAST before any communicator or symmetric buffer exists."""
     os.environ.update(NO_MULTICAST)
+
+
+def log_arfusion_info() -> None:
+    """arfusion's INFO lines (what the pass fused and declined, what ran unfused and why) on stderr,
+    once: not again through a root handler set up later."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[arfusion] %(message)s"))
+    log = logging.getLogger("arfusion")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+HOST_PATHS_NEED_FAKE_WORLD = "--flashinfer-host-path and --nccl-host-path stand in for peers: only with --fake-world"
+
+
+def add_host_path_args(p: argparse.ArgumentParser) -> None:
+    """--flashinfer-host-path and --nccl-host-path: with --fake-world, a TP rank's host path without its peers."""
+    p.add_argument("--flashinfer-host-path", action="store_true",
+                   help="with --fake-world on a GPU: the pass on FlashInfer, whose kernel call is skipped on a "
+                        "stand-in workspace (flashinfer_host_path_only): the host path of TP=N's fused sites, "
+                        "outputs wrong")
+    p.add_argument("--nccl-host-path", action="store_true",
+                   help="with --fake-world: every all-reduce (off's, and any the pass leaves) runs on a real "
+                        "group of one rank (NCCL on a GPU, gloo on CPU), so that it costs the host what a real "
+                        "rank's does (benchmarks/nccl_host_path.py); other collectives stay fake")
 
 
 def rank0_print(rank: int) -> Callable[..., None]:

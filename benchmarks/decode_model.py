@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import shutil
 import statistics
@@ -19,7 +18,7 @@ import torch.distributed as dist
 import arfusion
 from arfusion.backends.flashinfer_dispatch import moe_finalize_opted_in
 from arfusion.hf import prepare_for_compile, tp_kwargs
-from common import floor_options, save_json, sync
+from common import floor_options, log_arfusion_info, save_json, sync
 
 # Real models' shapes (random weights): Llama-3-8B, Llama-3-70B, Qwen3-8B, Gemma-7B, Qwen3-30B-A3B,
 # DeepSeek-V2-Lite. A preset is named by its model type unless MODEL_TYPES says otherwise.
@@ -206,11 +205,7 @@ class Bench:
                                                     quantized_allreduce=args.quantized)
         self.compiled = {}
         if self.rank == 0:  # what the pass fused and declined, one line per graph
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("[arfusion] %(message)s"))
-            logging.getLogger("arfusion").addHandler(handler)
-            logging.getLogger("arfusion").setLevel(logging.INFO)
-            logging.getLogger("arfusion").propagate = False  # once, not again through a root handler set up later
+            log_arfusion_info()
 
     def say(self, *a):
         if self.rank == 0:

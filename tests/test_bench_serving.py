@@ -135,7 +135,7 @@ def test_fake_world_with_nccl_host_path_serves_off_and_on(tmp_path):
     assert result["meta"]["nccl_host_path"] and result["meta"]["all_reduces_on_one_rank"] > 0
     assert result["configs"]["on"]["fused_sites"] > 0 and result["mixes"]["2"]["tokens"]["ok"]
     assert result["configs"]["on"]["eager_in_cuda_graphs"] == {}
-    assert "arfusion INFO arfusion: fused" in done.stderr  # --log-info: what the pass did, as it says it
+    assert "[arfusion] arfusion: fused" in done.stderr  # --log-info: what the pass did, as it says it
 
 
 def test_host_use_sees_a_busy_neighbour_and_page_faults():
