@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .hf import prepare_for_compile, tp_kwargs
+from .hf import experts_need_expert_parallel, prepare_for_compile, tp_kwargs
 from .hf.configs import LAYERS, keep_layers
 from .testing import FusionReport, fake_world, fusion_report
 from .tuning import Progress
@@ -115,7 +115,8 @@ def causal_lm_class(config):
 
 # ----------------------------------------------------------------------------- TP size
 # Widths the TP plan splits into equal slices, one per rank: attention heads, key/value heads and
-# each expert's intermediate size. `--tp` must divide them. transformers splits other widths
+# each expert's intermediate size, or the routed experts' count where expert parallelism over the
+# TP ranks shards them instead (transformers >= 5.25, `tp_kwargs`). `--tp` must divide them. transformers splits other widths
 # unevenly (a dense MLP's, the vocabulary's), and those run. A "colwise" projection has its
 # output sharded, as transformers' `get_kv_heads_per_rank` reads the plan.
 QUERY_PROJECTIONS = ("q_proj", "q_b_proj", "q_gate_proj", "qkv_proj", "query_key_value")
@@ -133,11 +134,13 @@ def _sharded_widths(config) -> list[tuple[str, str]]:
         widths.append(("attention heads", "num_attention_heads"))
     if colwise & set(KEY_PROJECTIONS):
         widths.append(("key/value heads", "num_key_value_heads"))
-    has_experts = any(isinstance(getattr(config, a, None), int) and getattr(config, a) > 0 for a in EXPERT_COUNTS)
-    if has_experts and any("experts" in key.split(".") and style.startswith(("colwise", "rowwise", "packed_"))
-                           for key, style in plan.items()):
+    count = next((a for a in EXPERT_COUNTS if isinstance(getattr(config, a, None), int) and getattr(config, a) > 0), None)
+    if count and any("experts" in key.split(".") and style.startswith(("colwise", "rowwise", "packed_"))
+                     for key, style in plan.items()):
         width = next((a for a in EXPERT_WIDTHS if getattr(config, a, None)), "")
         widths.append(("experts' intermediate size", width))
+    elif count and experts_need_expert_parallel(config):  # loaded with ep_size = the TP size (tp_kwargs)
+        widths.append(("routed experts", count))
     return widths
 
 
@@ -153,7 +156,9 @@ def check_tp_size(config, model_type: str, tp: int) -> None:
     if bad is None:
         return
     what, attr, width = bad
-    if not what.endswith("heads"):
+    if what == "routed experts":
+        said = f"{width} {what} ({attr}) do not split over TP={tp} (expert parallelism over the TP ranks shards them)"
+    elif not what.endswith("heads"):
         said = f"the {what}, {width} ({attr}), does not split over TP={tp} (the TP plan shards it)"
     elif width == 1:
         said = f"1 {what[:-1]} ({attr}) does not split over TP={tp} (the TP plan shards it)"
@@ -167,14 +172,10 @@ def check_tp_size(config, model_type: str, tp: int) -> None:
 
 
 # ----------------------------------------------------------------------------- loading
-def _tp(tp: int | None) -> dict:
-    """from_pretrained's TP keywords: the "auto" plan, over `tp` ranks (None: WORLD_SIZE's)."""
-    kwargs = tp_kwargs("auto")
-    if tp is None:
-        return kwargs
-    if "distributed_config" in kwargs:
-        return {"distributed_config": type(kwargs["distributed_config"])(tp_plan="auto", tp_size=tp)}
-    return {**kwargs, "tp_size": tp}
+def _tp(tp: int | None, config: Any) -> dict:
+    """from_pretrained's TP keywords: the "auto" plan, over `tp` ranks (None: WORLD_SIZE's), with
+    expert parallelism where `config`'s TP plan leaves the experts whole (`tp_kwargs`)."""
+    return tp_kwargs("auto", config=config, tp_size=tp)
 
 
 _RANDOM_INITS = {"normal_": lambda t, mean=0.0, std=1.0, **_: mean, "trunc_normal_": lambda t, mean=0.0, **_: mean,
@@ -229,11 +230,11 @@ def load_tp_model(source: Any, tp: int | None = None, dtype: torch.dtype = torch
     from transformers import AutoModelForCausalLM
 
     if isinstance(source, (str, os.PathLike)):
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **_tp(tp)).eval()
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **_tp(tp, source)).eval()
     else:
         with _init_by_fill():
             model = causal_lm_class(source).from_pretrained(None, config=source, state_dict={}, dtype=dtype,
-                                                            **_tp(tp)).eval()
+                                                            **_tp(tp, source)).eval()
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 local = t.to_local() if hasattr(t, "to_local") else t

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/compile_hf_model.py [--model-type qwen3]
 
 Builds a small model from a config (random weights, nothing downloaded), loads it with
-`tp_plan="auto"` (spelled as the installed transformers wants it: `arfusion.hf.tp_kwargs`;
+`tp_plan="auto"` (spelled as the installed transformers wants it: `arfusion.hf.tp_kwargs`, with
+expert parallelism over the same ranks where the TP plan leaves a MoE model's experts whole;
 gloo on CPU, NCCL on CUDA), compiles it with the fusion pass and prints what was fused, which
 backend ran, the logits' difference to the uncompiled model, 16 greedy tokens from both and a
 verdict on them. Random weights make near ties between the two best logits, and rounding noise
@@ -135,7 +136,7 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     config = tiny_config(args.model_type, args.layers, args.hidden, world)
     path = save_random_model(config, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **tp_kwargs("auto")).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **tp_kwargs("auto", config=path)).eval()
     prepare_for_compile(model)  # inference: removes graph breaks in HF model code (q/k norm hooks, looped experts)
     dist.barrier()  # every rank has loaded it: the random checkpoint is not needed any more
     if rank == 0:

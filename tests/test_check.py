@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import arfusion
 from arfusion import cli
 from arfusion.check import CheckError, check_tp_size
+from arfusion.hf import experts_need_expert_parallel
 from arfusion.decisions import Fate, Why
 from arfusion.testing import FusionReport, Row, assert_fused, fake_world, fusion_report
 
@@ -219,9 +220,6 @@ def test_the_released_models_split_over_tp_2_and_4():
 @pytest.mark.parametrize("model_type, changes, tp, reason", [
     ("qwen3_moe", {}, 8, "qwen3_moe: 4 key/value heads (num_key_value_heads) do not split over TP=8 "
                          "(the TP plan shards them); --tp 2 or 4 would fit"),
-    ("qwen3_moe", {"moe_intermediate_size": 770}, 4,
-     "qwen3_moe: the experts' intermediate size, 770 (moe_intermediate_size), does not split over TP=4 "
-     "(the TP plan shards it); --tp 2 would fit"),
     ("cohere", {}, 3, "cohere: 64 attention heads (num_attention_heads) do not split over TP=3 "
                       "(the TP plan shards them); --tp 2, 4, 8 or 16 would fit"),
     ("granite", {"num_key_value_heads": 1}, 2,
@@ -236,6 +234,27 @@ def test_the_tp_size_check_names_the_first_width_that_does_not_split(model_type,
     with pytest.raises(CheckError) as raised:
         check_tp_size(config, model_type, tp)
     assert str(raised.value) == reason
+
+
+def test_the_tp_size_check_follows_how_the_experts_are_sharded():
+    """Experts sharded by the TP plan (transformers <= 5.24): each expert's intermediate size must
+    split. Left whole by it and sharded by expert parallelism over the TP ranks (>= 5.25, tp_kwargs):
+    the routed experts' count must, and the intermediate size need not."""
+    from transformers import AutoConfig
+
+    values = MODELS["qwen3_moe"][1]
+    by_ep = experts_need_expert_parallel(AutoConfig.for_model("qwen3_moe"))
+    odd_width = AutoConfig.for_model("qwen3_moe", **{**values, "moe_intermediate_size": 770})
+    odd_count = AutoConfig.for_model("qwen3_moe", **{**values, "num_experts": 126})
+    fits, fails = (odd_width, odd_count) if by_ep else (odd_count, odd_width)
+    check_tp_size(fits, "qwen3_moe", 4)
+    with pytest.raises(CheckError) as raised:
+        check_tp_size(fails, "qwen3_moe", 4)
+    assert str(raised.value) == (
+        "qwen3_moe: 126 routed experts (num_experts) do not split over TP=4 (expert parallelism over the TP ranks "
+        "shards them); --tp 2 would fit" if by_ep else
+        "qwen3_moe: the experts' intermediate size, 770 (moe_intermediate_size), does not split over TP=4 "
+        "(the TP plan shards it); --tp 2 would fit")
 
 
 def test_bad_arguments(capsys, monkeypatch):

@@ -24,6 +24,30 @@ from .models import experts_sum_float64  # noqa: E402
 TOKENS = 24
 
 
+def _looped_longcat_experts() -> bool:
+    """transformers <= 5.24's LongCat-Flash experts loop (identity experts inside); 5.25 moved them
+    to transformers' experts interface, with the identity experts outside: nothing to change there
+    (tests/test_hf_coverage.py checks that model in one graph). CI runs this file on 5.24 too."""
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    return hasattr(LongcatFlashExperts(tiny_config("longcat_flash")), "identity_expert")
+
+
+needs_looped_experts = pytest.mark.skipif(not _looped_longcat_experts(), reason=(
+    "the installed transformers' LongCat-Flash experts have no loop (transformers >= 5.25): "
+    "run this file with transformers 5.24 (.ci/run does)"))
+
+
+def test_a_model_without_looped_experts_is_left_as_it_is():
+    """Where no module holds looped experts (Llama; LongCat-Flash on transformers >= 5.25), nothing changes."""
+    from transformers import AutoModelForCausalLM
+
+    for model_type in ("llama", "longcat_flash"):
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.bfloat16)
+        looped = model_type == "longcat_flash" and _looped_longcat_experts()
+        assert hf.loop_free_experts(model) == (model.config.num_layers if looped else 0)
+
+
 def _longcat():
     from transformers import AutoModelForCausalLM
 
@@ -47,6 +71,7 @@ def _routing(experts, config, seed=1):
     return x, index, weights
 
 
+@needs_looped_experts
 def test_the_loop_free_sum_is_the_looped_one_or_nearer_the_exact_one():
     """The loop rounds to bf16 after each expert's index_add_; the loop-free forward sums the
     weighted rows in fp32 and rounds once: against float64, never worse than the loop by more
@@ -66,6 +91,7 @@ def test_the_loop_free_sum_is_the_looped_one_or_nearer_the_exact_one():
     assert ((loop_free - looped).abs().max() / scale).item() <= 4 * 2 ** -8
 
 
+@needs_looped_experts
 def test_no_tokens_gives_zeros():
     model, config = _longcat()
     experts = _experts(model)[0]
@@ -75,6 +101,7 @@ def test_no_tokens_gives_zeros():
     assert out.shape == x.shape
 
 
+@needs_looped_experts
 @pytest.mark.slow
 def test_the_model_traces_whole_and_matches_eager():
     """One graph (Dynamo) that AOT autograd traces and runs as eager does. Inductor's kernels for
@@ -106,6 +133,7 @@ def _tp_style_wrapper(module, calls):
     module.forward = tp_forward
 
 
+@needs_looped_experts
 def test_the_forward_is_replaced_under_the_tp_wrapper_which_still_runs():
     model, config = _longcat()
     experts = _experts(model)
@@ -123,6 +151,7 @@ def test_the_forward_is_replaced_under_the_tp_wrapper_which_still_runs():
     assert out.shape == x.shape
 
 
+@needs_looped_experts
 def test_an_unknown_wrapper_is_left_alone(caplog):
     model, _ = _longcat()
     experts = _experts(model)
@@ -134,6 +163,7 @@ def test_an_unknown_wrapper_is_left_alone(caplog):
     assert "keeps its looped forward" in caplog.text
 
 
+@needs_looped_experts
 def test_weights_without_a_grouped_gemm_keep_the_loop(caplog):
     """fp32 weights: torch's grouped GEMM (as torch.compile traces it) takes bf16 only."""
     from transformers import AutoModelForCausalLM

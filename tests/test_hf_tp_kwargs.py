@@ -105,3 +105,54 @@ def test_from_pretrained_with_it_does_not_warn(tmp_path, monkeypatch, spelling):
         assert bool(warned) == (spelling == "bare"), warned
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------- experts: TP plan or expert parallelism
+class _Config:
+    """A config as transformers' classes spell the plans (class attributes), with a text config."""
+
+    def __init__(self, tp_plan, ep_plan=None):
+        self.base_model_tp_plan, self.base_model_ep_plan = tp_plan, ep_plan or {}
+
+    def get_text_config(self):
+        return self
+
+
+ATTENTION = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+EP_PLAN = {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm",
+           "layers.*.mlp.experts": "ep_dispatch_experts"}
+EXPERTS_BY_TP = {**ATTENTION, "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                 "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts"}
+
+
+def _has_ep_size() -> bool:
+    return _new_api_available() and "ep_size" in {f.name for f in dataclasses.fields(transformers.DistributedConfig)}
+
+
+def test_which_models_need_expert_parallelism():
+    """Experts left whole by the TP plan (transformers >= 5.25) and sharded by an EP plan: yes.
+    Experts the TP plan shards (<= 5.24), a dense model, a model with only an EP plan's name: no."""
+    assert hf.experts_need_expert_parallel(_Config(ATTENTION, EP_PLAN))
+    assert not hf.experts_need_expert_parallel(_Config(EXPERTS_BY_TP, EP_PLAN))
+    assert not hf.experts_need_expert_parallel(_Config(ATTENTION))
+    from transformers import AutoConfig
+
+    qwen3_moe = AutoConfig.for_model("qwen3_moe")
+    sharded_by_tp = any(".experts" in key for key in type(qwen3_moe).base_model_tp_plan)
+    assert hf.experts_need_expert_parallel(qwen3_moe) == (not sharded_by_tp)
+    assert not hf.experts_need_expert_parallel(AutoConfig.for_model("llama"))
+
+
+@pytest.mark.skipif(not _has_ep_size(), reason="installed transformers' DistributedConfig has no ep_size")
+def test_experts_left_whole_are_loaded_with_expert_parallelism_over_the_tp_ranks(monkeypatch, caplog):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with caplog.at_level("INFO", logger="arfusion"):
+        moe = hf.tp_kwargs("auto", config=_Config(ATTENTION, EP_PLAN))["distributed_config"]
+    assert (moe.tp_plan, moe.tp_size, moe.ep_size) == ("auto", 2, 2)
+    assert "expert parallelism over the same 2 ranks (ep_size=2)" in caplog.text
+    four = hf.tp_kwargs("auto", config=_Config(ATTENTION, EP_PLAN), tp_size=4)["distributed_config"]
+    assert (four.tp_size, four.ep_size) == (4, 4)
+    for config in (_Config(EXPERTS_BY_TP, EP_PLAN), _Config(ATTENTION), None):  # as before: the TP plan alone
+        assert hf.tp_kwargs("auto", config=config)["distributed_config"].ep_size == 1
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: nothing to shard over
+    assert hf.tp_kwargs("auto", config=_Config(ATTENTION, EP_PLAN))["distributed_config"].ep_size == 1

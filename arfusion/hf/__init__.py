@@ -4,7 +4,8 @@ offers, never by its version string).
     model = AutoModelForCausalLM.from_pretrained(path, **arfusion.hf.tp_kwargs("auto"))
     arfusion.hf.prepare_for_compile(model)   # before torch.compile, generate(compile) or generate_batch
 
-- `tp_kwargs`: the keywords that load a model tensor-parallel (`loading`);
+- `tp_kwargs`: the keywords that load a model tensor-parallel, with expert parallelism over the
+  same ranks where the TP plan leaves a MoE model's experts whole (`loading`);
 - `prepare_for_compile`: removes the graph breaks that transformers' own code puts between an
   all-reduce and its norm: gradient-only hooks and looped experts in model code (`model_code`),
   and the paged-cache update of continuous batching, with its decode fast path's Flash Attention
@@ -15,11 +16,11 @@ transformers is imported lazily, inside the functions: `import arfusion.hf` does
 
 from __future__ import annotations
 
-from .loading import tp_kwargs
+from .loading import experts_need_expert_parallel, tp_kwargs
 from .model_code import drop_grad_allreduce_hooks, loop_free_experts
 from .paged_cache import keep_paged_cache_in_graph, release_paged_cache
 
-__all__ = ["tp_kwargs", "prepare_for_compile", "drop_grad_allreduce_hooks", "loop_free_experts",
+__all__ = ["tp_kwargs", "experts_need_expert_parallel", "prepare_for_compile", "drop_grad_allreduce_hooks", "loop_free_experts",
            "keep_paged_cache_in_graph", "release_paged_cache"]
 
 

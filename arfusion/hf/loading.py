@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
+import os
 from typing import Any
+
+log = logging.getLogger("arfusion")
 
 
 def _config_has_tp_plan(config_cls: type) -> bool:
-    if dataclasses.is_dataclass(config_cls):
-        if any(f.name == "tp_plan" for f in dataclasses.fields(config_cls)):
-            return True
+    if _has_field(config_cls, "tp_plan"):
+        return True
     try:
         return "tp_plan" in inspect.signature(config_cls).parameters
     except (TypeError, ValueError):
@@ -35,18 +38,60 @@ def _from_pretrained_accepts(name: str) -> bool:
     return f'"{name}"' in source or f"'{name}'" in source
 
 
-def tp_kwargs(tp_plan: Any = "auto") -> dict:
-    """Keyword arguments for `from_pretrained` that load the model tensor-parallel with `tp_plan`.
+def tp_kwargs(tp_plan: Any = "auto", config: Any = None, tp_size: int | None = None) -> dict:
+    """Keyword arguments for `from_pretrained` that load the model tensor-parallel with `tp_plan`,
+    over `tp_size` ranks (None: transformers' default, WORLD_SIZE's).
 
     `{"distributed_config": DistributedConfig(tp_plan=tp_plan)}` where the installed transformers
     takes it (>= 5.18 deprecates the bare argument), `{"tp_plan": tp_plan}` otherwise (older
     releases, where `DistributedConfig` lacks `tp_plan` or `from_pretrained` ignores
     `distributed_config`). Decided by what the installed version offers, not by its version string.
+
+    `config` (the model's config, or its checkpoint directory): where its TP plan leaves the
+    experts of a mixture-of-experts model whole on every rank and an expert-parallel plan shards
+    them (transformers >= 5.25 dropped the experts from every TP plan), the keywords also ask for
+    expert parallelism over the same ranks (`ep_size` = the TP size). At inference transformers
+    then runs each rank's experts and sums them with an all-reduce, the same all-reduce the TP plan
+    of earlier releases made, which the pass fuses; without it every rank holds every expert.
     """
     try:
         from transformers import DistributedConfig
     except ImportError:
-        return {"tp_plan": tp_plan}
-    if _config_has_tp_plan(DistributedConfig) and _from_pretrained_accepts("distributed_config"):
-        return {"distributed_config": DistributedConfig(tp_plan=tp_plan)}
-    return {"tp_plan": tp_plan}
+        return {"tp_plan": tp_plan, **({"tp_size": tp_size} if tp_size else {})}
+    if not (_config_has_tp_plan(DistributedConfig) and _from_pretrained_accepts("distributed_config")):
+        return {"tp_plan": tp_plan, **({"tp_size": tp_size} if tp_size else {})}
+    fields = {"tp_plan": tp_plan, **({"tp_size": tp_size} if tp_size else {})}
+    if config is not None and _has_field(DistributedConfig, "ep_size") and experts_need_expert_parallel(config):
+        world = tp_size or _world_size()
+        if world > 1:
+            fields["ep_size"] = world
+            log.info("arfusion: the TP plan leaves the experts whole on every rank: loading with expert parallelism "
+                     "over the same %d ranks (ep_size=%d), whose all-reduce the pass fuses", world, world)
+    return {"distributed_config": DistributedConfig(**fields)}
+
+
+def experts_need_expert_parallel(config: Any) -> bool:
+    """True where the model of `config` (a config or a checkpoint directory) has an expert-parallel
+    plan and its tensor-parallel plan shards none of the modules that plan names."""
+    if isinstance(config, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(config, local_files_only=True)
+    for candidate in (config, config.get_text_config()):
+        ep_plan = getattr(candidate, "base_model_ep_plan", None) or {}
+        if ep_plan:
+            tp_plan = getattr(candidate, "base_model_tp_plan", None) or {}
+            return not any(key == module or key.startswith(module + ".") for key in tp_plan for module in ep_plan)
+    return False
+
+
+def _has_field(config_cls: type, name: str) -> bool:
+    return dataclasses.is_dataclass(config_cls) and any(f.name == name for f in dataclasses.fields(config_cls))
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
