@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from .hf import experts_need_expert_parallel, prepare_for_compile, tp_kwargs
+from .hf.loading import EXPERT_COUNTS
 from .hf.configs import LAYERS, keep_layers
 from .testing import FusionReport, fake_world, fusion_report
 from .tuning import Progress
@@ -121,7 +122,6 @@ def causal_lm_class(config):
 # output sharded, as transformers' `get_kv_heads_per_rank` reads the plan.
 QUERY_PROJECTIONS = ("q_proj", "q_b_proj", "q_gate_proj", "qkv_proj", "query_key_value")
 KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
-EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 EXPERT_WIDTHS = ("moe_intermediate_size", "expert_ffn_hidden_size", "intermediate_size")
 
 

@@ -169,7 +169,7 @@ def load(args, device):
     config = model_config(args, dist.get_world_size())
     path = random_checkpoint(config, device, args.ckpt_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=args.attn,
-                                                 **tp_kwargs("auto")).eval()
+                                                 **tp_kwargs("auto", config=path)).eval()
     prepared = prepare_for_compile(model)
     if args.shared_gpu and args.cuda_graphs:  # a gloo all-gather cannot be captured: the LM head whole
         from safetensors.torch import load_file

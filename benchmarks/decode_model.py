@@ -237,7 +237,7 @@ class Bench:
             self.model = random_model(self.config, self.device, self.args.init).eval()
         else:
             path = self.checkpoint = random_checkpoint(self.config, self.device, self.args.ckpt_dir, self.args.init)
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **self.tp()).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **self.tp(path)).eval()
         if self.args.unique_layers:
             repeat_layers(self.model, self.args.layers)
             self.config = self.model.config
@@ -271,9 +271,10 @@ class Bench:
                  f"{' (fake world)' if a.fake_world else ''} on {self.result['meta']['device']}, "
                  f"loaded in {self.result['meta']['load_s']} s")
 
-    def tp(self) -> dict:
-        """Tensor parallel over the ranks, or nothing for --rank-of (one rank's share, no TP)."""
-        return tp_kwargs("auto") if self.args.rank_of <= 1 else {"device_map": self.device}
+    def tp(self, path) -> dict:
+        """Tensor parallel over the ranks (MoE experts as tp_kwargs shards them), or nothing for
+        --rank-of (one rank's share, no TP)."""
+        return tp_kwargs("auto", config=path) if self.args.rank_of <= 1 else {"device_map": self.device}
 
     def compile(self, name: str, reduce_overhead: bool = False):
         """model compiled without ("off") or with ("on") the pass, or with it and the quantized

@@ -152,8 +152,10 @@ def evaluate(args) -> dict:
     data = held_out_windows(tokenizer, args.seq_len, args.seqs, args.heldout_pct)
     if data.shape[0] == 0:
         raise SystemExit("no held-out text: lower --seq-len")
-    ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, **tp_kwargs("auto")).eval()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, **tp_kwargs("auto")).eval()
+    ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+                                                     **tp_kwargs("auto", config=args.model)).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16,
+                                                 **tp_kwargs("auto", config=args.model)).eval()
     prepare_for_compile(model)  # graph breaks in HF code: q/k norm hooks (<= 5.17), looped experts
     c = model.config
     say(f"{args.model}: {c.model_type}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}; "

@@ -174,6 +174,17 @@ class NormThenQuant(RowParallelThenNorm):
         return (*outs, h, normed) if self.keep_norm else (*outs, h)
 
 
+def looped_longcat_experts() -> bool:
+    """transformers <= 5.24's LongCat-Flash experts loop over the experts hit, identity experts
+    inside (what arfusion.hf.loop_free_experts replaces); 5.25 moved them to transformers' experts
+    interface, with the identity experts outside: no loop to replace."""
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    from arfusion.hf.configs import tiny_config
+
+    return hasattr(LongcatFlashExperts(tiny_config("longcat_flash")), "identity_expert")
+
+
 def experts_sum_float64(experts, x, index, weights):
     """LongCat-Flash's experts' top-k sum in float64, token by token: routed experts (SiLU-gated
     MLPs from the stacked weights), identity experts passing the token, each weighted."""

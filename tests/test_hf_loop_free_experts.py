@@ -18,22 +18,13 @@ pytest.importorskip("transformers")
 from arfusion import hf  # noqa: E402
 from arfusion.hf.configs import tiny_config  # noqa: E402
 
-from .models import experts_sum_float64  # noqa: E402
+from .models import experts_sum_float64, looped_longcat_experts  # noqa: E402
 
 
 TOKENS = 24
 
 
-def _looped_longcat_experts() -> bool:
-    """transformers <= 5.24's LongCat-Flash experts loop (identity experts inside); 5.25 moved them
-    to transformers' experts interface, with the identity experts outside: nothing to change there
-    (tests/test_hf_coverage.py checks that model in one graph). CI runs this file on 5.24 too."""
-    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
-
-    return hasattr(LongcatFlashExperts(tiny_config("longcat_flash")), "identity_expert")
-
-
-needs_looped_experts = pytest.mark.skipif(not _looped_longcat_experts(), reason=(
+needs_looped_experts = pytest.mark.skipif(not looped_longcat_experts(), reason=(
     "the installed transformers' LongCat-Flash experts have no loop (transformers >= 5.25): "
     "run this file with transformers 5.24 (.ci/run does)"))
 
@@ -44,7 +35,7 @@ def test_a_model_without_looped_experts_is_left_as_it_is():
 
     for model_type in ("llama", "longcat_flash"):
         model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.bfloat16)
-        looped = model_type == "longcat_flash" and _looped_longcat_experts()
+        looped = model_type == "longcat_flash" and looped_longcat_experts()
         assert hf.loop_free_experts(model) == (model.config.num_layers if looped else 0)
 
 

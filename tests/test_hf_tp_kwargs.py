@@ -111,8 +111,9 @@ def test_from_pretrained_with_it_does_not_warn(tmp_path, monkeypatch, spelling):
 class _Config:
     """A config as transformers' classes spell the plans (class attributes), with a text config."""
 
-    def __init__(self, tp_plan, ep_plan=None):
+    def __init__(self, tp_plan, ep_plan=None, num_experts=8):
         self.base_model_tp_plan, self.base_model_ep_plan = tp_plan, ep_plan or {}
+        self.num_experts = num_experts if ep_plan else None
 
     def get_text_config(self):
         return self
@@ -156,3 +157,12 @@ def test_experts_left_whole_are_loaded_with_expert_parallelism_over_the_tp_ranks
         assert hf.tp_kwargs("auto", config=config)["distributed_config"].ep_size == 1
     monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: nothing to shard over
     assert hf.tp_kwargs("auto", config=_Config(ATTENTION, EP_PLAN))["distributed_config"].ep_size == 1
+
+
+@pytest.mark.skipif(not _has_ep_size(), reason="installed transformers' DistributedConfig has no ep_size")
+def test_experts_that_do_not_split_over_the_ranks_stay_whole(monkeypatch, caplog):
+    """transformers would refuse ep_size=4 for 6 experts: the load keeps every expert on every rank."""
+    with caplog.at_level("INFO", logger="arfusion"):
+        kwargs = hf.tp_kwargs("auto", config=_Config(ATTENTION, EP_PLAN, num_experts=6), tp_size=4)
+    assert kwargs["distributed_config"].ep_size == 1
+    assert "6 routed experts do not split over 4 ranks" in caplog.text

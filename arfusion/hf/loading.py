@@ -61,28 +61,53 @@ def tp_kwargs(tp_plan: Any = "auto", config: Any = None, tp_size: int | None = N
     if not (_config_has_tp_plan(DistributedConfig) and _from_pretrained_accepts("distributed_config")):
         return {"tp_plan": tp_plan, **({"tp_size": tp_size} if tp_size else {})}
     fields = {"tp_plan": tp_plan, **({"tp_size": tp_size} if tp_size else {})}
-    if config is not None and _has_field(DistributedConfig, "ep_size") and experts_need_expert_parallel(config):
+    if config is not None and _has_field(DistributedConfig, "ep_size"):
+        config = _config(config)
         world = tp_size or _world_size()
-        if world > 1:
-            fields["ep_size"] = world
-            log.info("arfusion: the TP plan leaves the experts whole on every rank: loading with expert parallelism "
-                     "over the same %d ranks (ep_size=%d), whose all-reduce the pass fuses", world, world)
+        experts = expert_count(config)
+        if world > 1 and experts_need_expert_parallel(config):
+            if experts % world:
+                log.info("arfusion: %d routed experts do not split over %d ranks: every rank holds every expert "
+                         "(the TP plan's own choice)", experts, world)
+            else:
+                fields["ep_size"] = world
+                log.info("arfusion: the TP plan leaves the experts whole on every rank: loading with expert "
+                         "parallelism over the same %d ranks (ep_size=%d), whose all-reduce the pass fuses", world, world)
     return {"distributed_config": DistributedConfig(**fields)}
 
 
-def experts_need_expert_parallel(config: Any) -> bool:
-    """True where the model of `config` (a config or a checkpoint directory) has an expert-parallel
-    plan and its tensor-parallel plan shards none of the modules that plan names."""
-    if isinstance(config, (str, os.PathLike)):
-        from transformers import AutoConfig
+# Where configs keep the routed experts' count.
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
-        config = AutoConfig.from_pretrained(config, local_files_only=True)
+
+def expert_count(config: Any) -> int:
+    """The routed experts' count of a MoE config (its text config's), 0 for a dense one."""
+    for candidate in (config, config.get_text_config()):
+        for name in EXPERT_COUNTS:
+            value = getattr(candidate, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return 0
+
+
+def experts_need_expert_parallel(config: Any) -> bool:
+    """True where the model of `config` (a config, a checkpoint directory or a hub name) has an
+    expert-parallel plan and its tensor-parallel plan shards none of the modules that plan names."""
+    config = _config(config)
     for candidate in (config, config.get_text_config()):
         ep_plan = getattr(candidate, "base_model_ep_plan", None) or {}
         if ep_plan:
             tp_plan = getattr(candidate, "base_model_tp_plan", None) or {}
             return not any(key == module or key.startswith(module + ".") for key in tp_plan for module in ep_plan)
     return False
+
+
+def _config(config: Any):
+    if isinstance(config, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(config)  # what from_pretrained reads first
+    return config
 
 
 def _has_field(config_cls: type, name: str) -> bool:

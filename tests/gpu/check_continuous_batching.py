@@ -76,7 +76,7 @@ def load(model_type: str, dtype: torch.dtype, device, whole_lm_head: bool):
         AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=dtype).save_pretrained(path[0])
     dist.broadcast_object_list(path)
     model = AutoModelForCausalLM.from_pretrained(path[0], dtype=dtype, attn_implementation="sdpa",
-                                                 **hf.tp_kwargs("auto")).eval()
+                                                 **hf.tp_kwargs("auto", config=path[0])).eval()
     prepared = hf.prepare_for_compile(model)
     if whole_lm_head:
         from safetensors.torch import load_file

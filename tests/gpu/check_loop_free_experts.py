@@ -190,7 +190,7 @@ def tensor_parallel(args) -> dict:
         path[0] = tempfile.mkdtemp(prefix="longcat-")
         AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path[0])
     dist.broadcast_object_list(path)
-    model = AutoModelForCausalLM.from_pretrained(path[0], dtype=torch.bfloat16, **hf.tp_kwargs("auto")).eval()
+    model = AutoModelForCausalLM.from_pretrained(path[0], dtype=torch.bfloat16, **hf.tp_kwargs("auto", config=path[0])).eval()
     pin_routing(model)
     ids = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3)).to(device)
     with torch.no_grad():
