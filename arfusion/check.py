@@ -323,7 +323,10 @@ def check(spec: str, tp: int = 2, tokens=TOKENS, quant: str | None = None,
             progress.update("loaded")
             header = (f"{model_type} ({type(model).__name__}): {LAYERS} of {layers} layers, hidden "
                       f"{text.hidden_size}, TP={tp} over a fake process group, bf16"
-                      + (f", {quant} activation quant" if quant else ""))
+                      + (f", {quant} activation quant" if quant else "")
+                      + (f"; experts sharded by expert parallelism over the {tp} ranks, as "
+                         "arfusion.hf.tp_kwargs(\"auto\", config=path) loads them" if experts_need_expert_parallel(config)
+                         else ""))
             generator = torch.Generator().manual_seed(0)
             for n in tokens:
                 ids = torch.randint(0, text.vocab_size, (1, n), generator=generator).to(model.device)

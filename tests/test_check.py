@@ -132,6 +132,8 @@ def test_check_gives_the_coverage_sweeps_verdict(model_type, tmp_path):
     lines = done.stdout.strip().splitlines()
     assert lines[-1] == result["verdict"] and lines[0] == result["header"]
     assert f"hidden {MODELS[model_type][1]['hidden_size']}" in lines[0] and ": 2 of " in lines[0]
+    by_ep = experts_need_expert_parallel(transformers.AutoConfig.for_model(model_type))  # DeepSeek on >= 5.25
+    assert ("experts sharded by expert parallelism over the 2 ranks" in lines[0]) == by_ep, lines[0]
     for report in result["reports"]:
         want = _expected(model_type, report["tokens"])
         got = {k: report[k] for k in want}

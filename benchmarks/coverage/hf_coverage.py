@@ -325,7 +325,8 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
         w(f"- rows {', '.join(f'`{m}`' for m in u['rows'])} rerun: `{u['command']}`, {u['date']}, "
           f"{u['wall_s'] / 60:.1f} min, torch {u['torch']}, transformers {u['transformers']} (commit {u['commit']})\n")
     w(f"- machine: {meta['machine']}; TP=2 on gloo, bf16, random weights, 2 layers, hidden 128, 1 × "
-      f"{meta.get('tokens', TOKENS)} tokens; each model loaded with `tp_plan=\"auto\"`, then `arfusion.hf.prepare_for_"
+      f"{meta.get('tokens', TOKENS)} tokens; each model loaded with `tp_plan=\"auto\"` (`arfusion.hf.tp_kwargs`: with expert "
+      "parallelism over the same ranks where the TP plan leaves the experts whole), then `arfusion.hf.prepare_for_"
       "compile(model)` as the README asks of users (it removes graph breaks in transformers' own code: looped "
       "experts, q/k-norm gradient hooks)\n")
     w("- columns: *sites* = all-reduce [views] [+ residual] → RMSNorm calls counted in the eager model (see "
