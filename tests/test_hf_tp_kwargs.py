@@ -166,3 +166,29 @@ def test_experts_that_do_not_split_over_the_ranks_stay_whole(monkeypatch, caplog
         kwargs = hf.tp_kwargs("auto", config=_Config(ATTENTION, EP_PLAN, num_experts=6), tp_size=4)
     assert kwargs["distributed_config"].ep_size == 1
     assert "6 routed experts do not split over 4 ranks" in caplog.text
+
+
+@pytest.mark.skipif(not _has_ep_size(), reason="installed transformers' DistributedConfig has no ep_size")
+def test_prepare_for_compile_says_where_the_experts_were_loaded_whole(caplog):
+    """A MoE model loaded with tp_plan="auto" alone where the TP plan leaves its experts whole: the
+    log says how to shard them; loaded through tp_kwargs(config=), or a dense model: nothing said."""
+    import torch
+    from transformers import AutoConfig
+
+    from arfusion.check import causal_lm_class
+    from arfusion.hf.configs import tiny_config
+    from arfusion.testing import fake_world
+
+    def load(model_type, **kwargs):
+        config = tiny_config(model_type)
+        with fake_world(2):
+            return causal_lm_class(config).from_pretrained(None, config=config, state_dict={}, dtype=torch.float32,
+                                                           **kwargs)
+
+    whole = hf.experts_need_expert_parallel(AutoConfig.for_model("qwen3_moe"))
+    with caplog.at_level("INFO", logger="arfusion"):
+        assert hf.say_if_experts_are_whole(load("qwen3_moe", **hf.tp_kwargs("auto", tp_size=2))) == whole
+        assert hf.say_if_experts_are_whole(load("qwen3_moe", **hf.tp_kwargs("auto", config=tiny_config("qwen3_moe"),
+                                                                            tp_size=2))) is False
+        assert hf.say_if_experts_are_whole(load("llama", **hf.tp_kwargs("auto", tp_size=2))) is False
+    assert ("every rank holds every expert" in caplog.text) == whole

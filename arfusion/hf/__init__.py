@@ -16,11 +16,11 @@ transformers is imported lazily, inside the functions: `import arfusion.hf` does
 
 from __future__ import annotations
 
-from .loading import experts_need_expert_parallel, tp_kwargs
+from .loading import experts_need_expert_parallel, say_if_experts_are_whole, tp_kwargs
 from .model_code import drop_grad_allreduce_hooks, loop_free_experts
 from .paged_cache import keep_paged_cache_in_graph, release_paged_cache
 
-__all__ = ["tp_kwargs", "experts_need_expert_parallel", "prepare_for_compile", "drop_grad_allreduce_hooks", "loop_free_experts",
+__all__ = ["tp_kwargs", "experts_need_expert_parallel", "say_if_experts_are_whole", "prepare_for_compile", "drop_grad_allreduce_hooks", "loop_free_experts",
            "keep_paged_cache_in_graph", "release_paged_cache"]
 
 
@@ -29,8 +29,10 @@ def prepare_for_compile(model) -> dict[str, int]:
     every all-reduce meets its norm in one graph; returns what each step changed:
     `grad_allreduce_hooks_dropped` and `experts_made_loop_free` (this model's modules), and
     `paged_cache_in_graph` (1 where continuous batching's caches now keep their update in the
-    graph, for every model of the process: `keep_paged_cache_in_graph`). Inference only."""
+    graph, for every model of the process: `keep_paged_cache_in_graph`). Inference only. Says at
+    INFO where a MoE model's experts were loaded whole on every rank (`say_if_experts_are_whole`)."""
     in_graph, _ = keep_paged_cache_in_graph()
+    say_if_experts_are_whole(model)
     return {"grad_allreduce_hooks_dropped": drop_grad_allreduce_hooks(model),
             "experts_made_loop_free": loop_free_experts(model),
             "paged_cache_in_graph": int(in_graph)}

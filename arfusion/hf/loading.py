@@ -120,3 +120,21 @@ def _world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def say_if_experts_are_whole(model) -> bool:
+    """Logs at INFO, and returns True, where `model` was loaded tensor-parallel with its experts whole
+    on every rank although they could be sharded by expert parallelism over the same ranks (loaded
+    without `tp_kwargs(..., config=)` on transformers >= 5.25): no experts' all-reduce to fuse, and
+    every rank holds every expert."""
+    config = getattr(model, "config", None)
+    distributed = getattr(config, "distributed_config", None)
+    tp = getattr(distributed, "tp_size", None) or 1
+    if tp <= 1 or (getattr(distributed, "ep_size", None) or 1) > 1 or not experts_need_expert_parallel(config):
+        return False
+    if expert_count(config) % tp:
+        return False
+    log.info("arfusion: every rank holds every expert (this transformers' TP plan leaves them whole): load with "
+             "arfusion.hf.tp_kwargs(\"auto\", config=path) to shard them over the %d ranks by expert parallelism, "
+             "whose all-reduce the pass fuses", tp)
+    return True
