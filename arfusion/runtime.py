@@ -207,6 +207,17 @@ def resolve_group(group_name: str):
         return None
 
 
+def same_ranks(group_a: str, group_b: str) -> bool:
+    """True where two group names are one group, or two live groups of the same ranks in the same
+    order: an all-reduce over either sums the same values (transformers >= 5.25 all-reduces a MoE
+    layer's routed experts over its expert-parallel group and the shared expert over its TP group,
+    two groups of the same ranks)."""
+    if group_a == group_b:
+        return True
+    a, b = resolve_group(group_a), resolve_group(group_b)
+    return a is not None and b is not None and dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+
+
 def group_size(group_name: str) -> int:
     return dist.distributed_c10d._resolve_process_group(group_name).size()
 

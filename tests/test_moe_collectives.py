@@ -229,6 +229,14 @@ def test_all_reduces_on_different_groups_are_not_merged():
         dist.destroy_process_group()
 
 
+def test_all_reduces_on_two_groups_of_the_same_ranks_are_merged(fake_pg):
+    """transformers >= 5.25 all-reduces the routed experts over its expert-parallel group and the
+    shared expert over its TP group: two groups of the same ranks, so their sum is one all-reduce."""
+    fused, left, actual, expected, stats = run(RoutedPlusShared(groups=[dist.new_group([0, 1]), fake_pg]))
+    assert left == 0 and len(fused) == 1 and stats["summed_all_reduces_merged"] == 1
+    assert_matches_eager(actual, expected)
+
+
 def test_an_all_reduce_read_elsewhere_is_not_merged(fake_pg):
     fused, left, actual, expected, stats = run(RoutedPlusShared(shared_read_elsewhere=True))
     # Not merged; the routed all-reduce's site still fuses, the shared one's value a term of it.

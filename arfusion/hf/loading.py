@@ -8,6 +8,8 @@ import logging
 import os
 from typing import Any
 
+import torch.distributed as dist
+
 log = logging.getLogger("arfusion")
 
 
@@ -115,8 +117,6 @@ def _has_field(config_cls: type, name: str) -> bool:
 
 
 def _world_size() -> int:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -29,6 +29,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..graph_utils import WAIT, Builder, same_shape, value
+from ..runtime import same_ranks
 from .reduced import (MOVES, REGROUPINGS, into_residual_stream, reduced_source, reduced_term,
                       replace_with_all_reduce)
 from .region import CONVERT, by_a_number, is_add, widened_sum
@@ -38,8 +39,8 @@ aten = torch.ops.aten
 
 
 def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
-    """add([f *] AR(a), [f *] AR(b)) on one group -> AR([f *] a + [f *] b); "plain" or "gated"
-    (a term had a factor) where merged, else None. The sum of the two upcast and cast back
+    """add([f *] AR(a), [f *] AR(b)) on one group, or two groups of the same ranks (`same_ranks`)
+    -> AR([f *] a + [f *] b); "plain" or "gated" (a term had a factor) where merged, else None. The sum of the two upcast and cast back
     (`region.widened_sum`) is taken the same way per rank before the reduction: one rounding to
     the narrow dtype per rank where the graph rounded after each all-reduce and after the sum."""
     if not is_add(add):
@@ -51,7 +52,7 @@ def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     if None in terms or terms[0].all_reduce is terms[1].all_reduce:
         return None
     out = value(result)
-    if terms[0].all_reduce.args[2] != terms[1].all_reduce.args[2] \
+    if not same_ranks(terms[0].all_reduce.args[2], terms[1].all_reduce.args[2]) \
             or any(value(t.x).dtype != out.dtype or value(t.x).numel() != out.numel() for t in terms):
         return None
     gated = any(t.factor is not None for t in terms)
@@ -96,7 +97,7 @@ def _merge_residual_first(graph: torch.fx.Graph, add: torch.fx.Node) -> str | No
             residual = inner.args[1 - j]
             terms = (reduced_term(first), reduced_term(last))
             if terms[0] is None or reduced_term(residual) is not None or terms[0].all_reduce is terms[1].all_reduce \
-                    or terms[0].all_reduce.args[2] != terms[1].all_reduce.args[2]:
+                    or not same_ranks(terms[0].all_reduce.args[2], terms[1].all_reduce.args[2]):
                 continue
             if not all(same_shape(n, add) and value(n).dtype == value(add).dtype for n in (first, last, residual)):
                 continue

@@ -327,8 +327,7 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
     w(f"- machine: {meta['machine']}; TP=2 on gloo, bf16, random weights, 2 layers, hidden 128, 1 × "
       f"{meta.get('tokens', TOKENS)} tokens; each model loaded with `tp_plan=\"auto\"` (`arfusion.hf.tp_kwargs`: with expert "
       "parallelism over the same ranks where the TP plan leaves the experts whole), then `arfusion.hf.prepare_for_"
-      "compile(model)` as the README asks of users (it removes graph breaks in transformers' own code: looped "
-      "experts, q/k-norm gradient hooks)\n")
+      "compile(model)` as the README asks of users (it removes graph breaks in transformers' own code)\n")
     w("- columns: *sites* = all-reduce [views] [+ residual] → RMSNorm calls counted in the eager model (see "
       "below); *fused* = `arfusion.stats()['fused_sites']` with `PassConfig(enable_allreduce_fusion=True, "
       "backend=\"torch\")`; *all-reduces rewritten* = MoE ends changed before matching (`merged`: AR(a) + AR(b) "
