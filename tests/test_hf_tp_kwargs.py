@@ -191,4 +191,5 @@ def test_prepare_for_compile_says_where_the_experts_were_loaded_whole(caplog):
         assert hf.say_if_experts_are_whole(load("qwen3_moe", **hf.tp_kwargs("auto", config=tiny_config("qwen3_moe"),
                                                                             tp_size=2))) is False
         assert hf.say_if_experts_are_whole(load("llama", **hf.tp_kwargs("auto", tp_size=2))) is False
+        assert hf.say_if_experts_are_whole(torch.nn.Linear(2, 2)) is False  # not a transformers model
     assert ("every rank holds every expert" in caplog.text) == whole

@@ -130,7 +130,8 @@ def say_if_experts_are_whole(model) -> bool:
     config = getattr(model, "config", None)
     distributed = getattr(config, "distributed_config", None)
     tp = getattr(distributed, "tp_size", None) or 1
-    if tp <= 1 or (getattr(distributed, "ep_size", None) or 1) > 1 or not experts_need_expert_parallel(config):
+    if distributed is None or tp <= 1 or (getattr(distributed, "ep_size", None) or 1) > 1 \
+            or not experts_need_expert_parallel(config):
         return False
     if expert_count(config) % tp:
         return False
