@@ -187,7 +187,7 @@ def phase_accuracy(b):
     # result, so "on" can be compared with "off" against the truth and not only each other.
     from transformers import AutoModelForCausalLM
 
-    exact = AutoModelForCausalLM.from_pretrained(b.checkpoint, dtype=torch.float32, **b.tp()).eval()
+    exact = AutoModelForCausalLM.from_pretrained(b.checkpoint, dtype=torch.float32, **b.tp(b.checkpoint)).eval()
     for name in ("fp32", "eager", *CONFIGS):
         fn = {"fp32": exact, "eager": b.model}[name] if name in ("fp32", "eager") else b.compiled_model(name)
         cache, _ = b.prefilled(1, model=fn if name == "fp32" else None)
