@@ -117,8 +117,8 @@ def causal_lm_class(config):
 # ----------------------------------------------------------------------------- TP size
 # Widths the TP plan splits into equal slices, one per rank: attention heads, key/value heads and
 # each expert's intermediate size, or the routed experts' count where expert parallelism over the
-# TP ranks shards them instead (transformers >= 5.25, `tp_kwargs`). `--tp` must divide them. transformers splits other widths
-# unevenly (a dense MLP's, the vocabulary's), and those run. A "colwise" projection has its
+# TP ranks shards them instead (transformers >= 5.25, `tp_kwargs`). `--tp` must divide them.
+# transformers splits other widths unevenly (a dense MLP's, the vocabulary's), and those run. A "colwise" projection has its
 # output sharded, as transformers' `get_kv_heads_per_rank` reads the plan.
 QUERY_PROJECTIONS = ("q_proj", "q_b_proj", "q_gate_proj", "qkv_proj", "query_key_value")
 KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
@@ -172,12 +172,6 @@ def check_tp_size(config, model_type: str, tp: int) -> None:
 
 
 # ----------------------------------------------------------------------------- loading
-def _tp(tp: int | None, config: Any) -> dict:
-    """from_pretrained's TP keywords: the "auto" plan, over `tp` ranks (None: WORLD_SIZE's), with
-    expert parallelism where `config`'s TP plan leaves the experts whole (`tp_kwargs`)."""
-    return tp_kwargs("auto", config=config, tp_size=tp)
-
-
 _RANDOM_INITS = {"normal_": lambda t, mean=0.0, std=1.0, **_: mean, "trunc_normal_": lambda t, mean=0.0, **_: mean,
                  "uniform_": lambda t, a=0.0, b=1.0, **_: (a + b) / 2}
 for _name in ("xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_"):
@@ -229,12 +223,13 @@ def load_tp_model(source: Any, tp: int | None = None, dtype: torch.dtype = torch
     WORLD_SIZE's, as under torchrun)."""
     from transformers import AutoModelForCausalLM
 
+    tp_load = tp_kwargs("auto", config=source, tp_size=tp)  # experts by expert parallelism where the plan wants it
     if isinstance(source, (str, os.PathLike)):
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **_tp(tp, source)).eval()
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **tp_load).eval()
     else:
         with _init_by_fill():
             model = causal_lm_class(source).from_pretrained(None, config=source, state_dict={}, dtype=dtype,
-                                                            **_tp(tp, source)).eval()
+                                                            **tp_load).eval()
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:
                 local = t.to_local() if hasattr(t, "to_local") else t

@@ -1,7 +1,7 @@
 """Hugging Face helpers, for whatever transformers version is installed (decided by what it
 offers, never by its version string).
 
-    model = AutoModelForCausalLM.from_pretrained(path, **arfusion.hf.tp_kwargs("auto"))
+    model = AutoModelForCausalLM.from_pretrained(path, **arfusion.hf.tp_kwargs("auto", config=path))
     arfusion.hf.prepare_for_compile(model)   # before torch.compile, generate(compile) or generate_batch
 
 - `tp_kwargs`: the keywords that load a model tensor-parallel, with expert parallelism over the
@@ -20,8 +20,8 @@ from .loading import experts_need_expert_parallel, say_if_experts_are_whole, tp_
 from .model_code import drop_grad_allreduce_hooks, loop_free_experts
 from .paged_cache import keep_paged_cache_in_graph, release_paged_cache
 
-__all__ = ["tp_kwargs", "experts_need_expert_parallel", "say_if_experts_are_whole", "prepare_for_compile", "drop_grad_allreduce_hooks", "loop_free_experts",
-           "keep_paged_cache_in_graph", "release_paged_cache"]
+__all__ = ["tp_kwargs", "experts_need_expert_parallel", "say_if_experts_are_whole", "prepare_for_compile",
+           "drop_grad_allreduce_hooks", "loop_free_experts", "keep_paged_cache_in_graph", "release_paged_cache"]
 
 
 def prepare_for_compile(model) -> dict[str, int]:
