@@ -245,11 +245,17 @@ class PerGroup(dict):
     peers, silently. So each entry remembers the ProcessGroup it was made for, and a name that
     now resolves to another one gets fresh state; the replaced entry moves to `stale` (graphs
     captured earlier may still point into its buffers) and is freed with the rest at close().
+
+    With `same_ranks_share`, a group whose ranks (in order) are those of another live group gets
+    that group's state, not a new one: transformers >= 5.25 all-reduces a MoE layer's experts over
+    its expert-parallel group and the rest over the TP group, two groups of the same GPUs, and one
+    set of buffers serves both (each rank issues its calls on either group in the same order).
     """
 
-    def __init__(self, make: Callable[[], Any], resolve: Callable[[str], Any] = resolve_group):
+    def __init__(self, make: Callable[[], Any], resolve: Callable[[str], Any] = resolve_group,
+                 same_ranks_share: bool = False):
         super().__init__()
-        self.make, self.resolve = make, resolve
+        self.make, self.resolve, self.same_ranks_share = make, resolve, same_ranks_share
         self.stale: list = []
         self._made_for: dict[str, Any] = {}
 
@@ -259,13 +265,23 @@ class PerGroup(dict):
         if group_name in self and self._made_for[group_name] != group:  # ProcessGroup: by identity
             self.stale.append(self.pop(group_name))
         if group_name not in self:
-            self[group_name] = self.make()
+            self[group_name] = self._twin(group) or self.make()
             self._made_for[group_name] = group
         return self[group_name]
 
+    def _twin(self, group):
+        """The state of another live group of the same ranks in the same order, where shared."""
+        if not self.same_ranks_share or group is None or not group_is_live(group):
+            return None
+        ranks = dist.get_process_group_ranks(group)
+        return next((self[name] for name, other in self._made_for.items()
+                     if other is not None and group_is_live(other) and dist.get_process_group_ranks(other) == ranks),
+                    None)
+
     def everything(self) -> list:
-        """Current and stale states: what close() frees."""
-        return [*self.values(), *self.stale]
+        """Current and stale states, each once (groups of the same ranks may share one): what
+        close() frees."""
+        return list({id(state): state for state in [*self.values(), *self.stale]}.values())
 
     def clear(self) -> None:
         super().clear()

@@ -294,13 +294,46 @@ def _worker(rank, world, init_file, out_dir):
     results["unified"] = unified_scenario(calls, dist.group.WORLD.group_name, rank)
     results["quant"] = quant_scenario(calls, dist.group.WORLD.group_name, rank)
     results["bound"] = bound_scenario(calls, backend, dist.group.WORLD.group_name, rank)
-    # Fresh groups over the same ranks: each gets its own workspace negotiation.
-    scenario("fail_build", dist.new_group([0, 1]))
-    scenario("fail_create", dist.new_group([0, 1]))
-    scenario("low_memory", dist.new_group([0, 1]))
+    results["shared"] = shared_scenario(calls, backend, rank)
+    # Fresh groups over the same ranks, each after close(): else they would share the world's
+    # workspace (shared_scenario); so each negotiates one of its own.
+    for name in ("fail_build", "fail_create", "low_memory"):
+        backend.close()
+        scenario(name, dist.new_group([0, 1]))
     backend.close()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, default=str))
     dist.destroy_process_group()
+
+
+def shared_scenario(calls, backend, rank):
+    """Two groups of the same ranks (transformers' expert-parallel and TP groups) share one
+    workspace: the second group's calls make none, a call that outgrows it on either group grows
+    the one they share, and close() destroys each workspace once."""
+    backend.close()
+    creates, errors = len(calls["create"]), []
+    world, twin = dist.group.WORLD.group_name, dist.new_group([0, 1]).group_name
+
+    def one(group_name, tokens, seed):
+        torch.manual_seed(10 * seed + rank)
+        x, res = torch.randn(2, tokens, 64, dtype=torch.bfloat16).unbind(0)
+        w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
+        got = torch.ops.arfusion.fused_allreduce_rmsnorm(
+            x=x, residual=res, weight=w, eps=1e-6, eps_tensor=None, group_name=group_name, norm="rms",
+            quant="none", quant_scale=None, emit_norm=True, backend="flashinfer", max_bytes=tokens * 64 * 2)
+        want = reference.unfused(x, res, w, 1e-6, group_name, PLAIN)
+        errors.extend(f"{group_name} T={tokens}" for g, r in zip(got, want)
+                      if not torch.allclose(g.float(), r.float(), atol=0.05, rtol=0.02))
+        plain = torch.ops.arfusion.all_reduce(x=x, group_name=group_name, backend="flashinfer")
+        errors.extend([f"plain {group_name} T={tokens}"] if not torch.equal(plain, reference.all_reduce_sum(x, group_name)) else [])
+        return len(calls["create"]) - creates
+
+    made = [one(world, 8, 0), one(twin, 8, 1), one(twin, 512, 2), one(world, 512, 3), one(world, 8, 4)]
+    same = backend._groups.current(world) is backend._groups.current(twin)
+    states = len(backend._groups.everything())
+    workspaces = [backend._groups.current(world).workspace, *backend._groups.current(world).retired]
+    backend.close()
+    return {"errors": errors, "made_after_each": made, "same_state": same, "states": states,
+            "destroyed": [ws.destroyed for ws in workspaces]}
 
 
 def unified_scenario(calls, group_name, rank):
@@ -502,6 +535,17 @@ def test_later_calls_of_a_signature_take_its_bound_kernel_call(two_rank_results)
         # all-reduce's 2nd; none after a workspace changed until the signature ran again.
         assert bound["unchecked_after_each"] == [0, 1, 2, 2, 3, 3, 4, 5, 5, 6, 6, 6, 7, 7, 8]
         assert bound["created"] == 2 and bound["dispatch"] == {"flashinfer": 13, "flashinfer all-reduce": 2}
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_groups_of_the_same_ranks_share_one_workspace(two_rank_results):
+    for results in two_rank_results:
+        shared = results["shared"]
+        assert shared["errors"] == [] and shared["same_state"] and shared["states"] == 1
+        # One workspace for both groups; grown once, by the twin's larger call, for both.
+        assert shared["made_after_each"] == [1, 1, 2, 2, 2]
+        assert shared["destroyed"] == [True, True]
 
 
 @pytest.mark.parametrize("name", ["fail_build", "fail_create", "low_memory"])

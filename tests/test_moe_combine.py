@@ -533,6 +533,7 @@ def _flashinfer_worker(rank):
             return create(**kw)
 
         sys_modules["flashinfer.comm"].create_allreduce_fusion_workspace = no_finalize_workspace
+        backend.close()  # else the new group, of the same ranks, would share the workspaces made above
         other = dist.new_group([0, 1])
         for attempt in range(2):
             finalize_calls.clear()

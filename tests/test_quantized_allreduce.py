@@ -409,7 +409,7 @@ def _fallback_when_missing(rank, out):
         out["raising"] = [raising and raising.code.value, calls]
         sys.modules[name] = types.SimpleNamespace(quantized_all_reduce=lambda inp, group, output=None: output)
         backend = FlashInferBackend()
-        out["ok"] = [backend.prepare_codec(c, "fp8"), backend._groups[c.group_name].codec_ready]
+        out["ok"] = [backend.prepare_codec(c, "fp8"), backend._codecs[c.group_name].ready]
     finally:
         if saved is None:
             sys.modules.pop(name, None)

@@ -47,7 +47,7 @@ from . import flashinfer_dispatch as dispatch
 from . import flashinfer_exchange as exchange
 from . import flashinfer_kernel as kernel
 from .flashinfer_moe import FinalizeWorkspaces, MoEFinalize
-from .flashinfer_codec import WORLD_SIZES, QuantizedAllReduce
+from .flashinfer_codec import WORLD_SIZES, CodecState, QuantizedAllReduce
 from .base import Backend, Capabilities, over_cap
 
 log = logging.getLogger("arfusion")
@@ -92,15 +92,13 @@ def _flashinfer_version() -> str:
 
 @dataclass
 class _GroupState:
-    """FlashInfer resources of one process group."""
+    """FlashInfer's workspaces of one process group, shared by its groups of the same ranks."""
 
     workspace: Any = None
     capacity_elems: int = 0  # input elements per rank the workspace holds
     failed: str | None = None  # set on every rank at once; the group then stays unfused
     retired: list = field(default_factory=list)  # outgrown workspaces that graphs may still use
     zeros: dict = field(default_factory=dict)  # dtype -> zero residual for sites without one
-    codec_ready: bool = False  # the quantized all-reduce's symmetric buffer exists at full size
-    codec_failed: str | None = None  # set on every rank at once; exact all-reduce from then on
     finalize: "FinalizeWorkspaces | None" = None
     finalize_failed: str | None = None  # set on every rank at once; the combine then runs in torch
 
@@ -124,7 +122,8 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
     # keeps the cross-rank sum as exact as the fp32 RMS that follows.
     launch_with_pdl: bool = True
     fp32_acc: bool = True
-    _groups: PerGroup = field(default_factory=lambda: PerGroup(_GroupState), repr=False)
+    _groups: PerGroup = field(default_factory=lambda: PerGroup(_GroupState, same_ranks_share=True), repr=False)
+    _codecs: PerGroup = field(default_factory=lambda: PerGroup(CodecState), repr=False)  # FlashInfer's: per group
 
     def __post_init__(self) -> None:
         atexit.register(self.close)
@@ -377,14 +376,14 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
     def close(self) -> None:
         """Free every workspace. Called at exit; call it earlier (on every rank, after the last
         fused call) to free the memory sooner."""
-        if not any(s.workspace is not None or s.finalize is not None for s in self._groups.everything()):
-            return
+        held, release = [s for s in self._groups.everything() if s.workspace is not None or s.finalize is not None], None
         try:
-            torch.cuda.synchronize()
-            release = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_destroy_ipc_workspace_for_all_reduce_fusion
+            if held:
+                torch.cuda.synchronize()
+                release = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_destroy_ipc_workspace_for_all_reduce_fusion
         except Exception:  # interpreter shutdown may have torn CUDA or the module down already
-            release = None
-        for state in self._groups.everything():
+            pass
+        for state in held:
             for ws in [state.workspace, *state.retired, *(state.finalize.pair if state.finalize else ())]:
                 if ws is None:
                     continue
@@ -396,6 +395,7 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
                     pass
             state.workspace = None  # what kernel.bound calls check
         self._groups.clear()
+        self._codecs.clear()
 
 
 def _group_quant(normed: torch.Tensor) -> dict[str, torch.Tensor]:

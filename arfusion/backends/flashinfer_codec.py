@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,16 @@ log = logging.getLogger("arfusion")
 WORLD_SIZES = frozenset({2, 4, 8, 16})
 
 
+@dataclass
+class CodecState:
+    """The quantized all-reduce on one process group."""
+
+    ready: bool = False  # FlashInfer's symmetric buffer exists at full size
+    failed: str | None = None  # set on every rank at once; exact all-reduce from then on
+
+
 class QuantizedAllReduce:
-    """The quantized half of the FlashInfer backend (needs its `facts`, `_groups`)."""
+    """The quantized half of the FlashInfer backend (needs its `facts`, `_codecs`)."""
 
     def codec_min_bytes(self, call: Call, level: str) -> tuple[int | None, str]:
         facts = self.facts(call)
@@ -48,9 +57,9 @@ class QuantizedAllReduce:
         return Reason(Why.RUNTIME, reason) if reason else None
 
     def _quantized_buffer(self, call: Call) -> str | None:
-        state = self._groups.current(call.group_name)
-        if state.codec_failed or state.codec_ready:
-            return state.codec_failed
+        state = self._codecs.current(call.group_name)
+        if state.failed or state.ready:
+            return state.failed
         if runtime.capturing():
             return ("the quantized all-reduce's buffer is never created during CUDA-graph capture: run "
                     "the model once eagerly first")
@@ -69,8 +78,8 @@ class QuantizedAllReduce:
         except Exception as e:
             problem = f"flashinfer.comm.quantized_allreduce unavailable: {type(e).__name__}: {e}"
         if not all_ranks_agree(problem is None, group, comm_dev):
-            state.codec_failed = problem or "the quantized all-reduce is unavailable on another rank"
-            return state.codec_failed
+            state.failed = problem or "the quantized all-reduce is unavailable on another rank"
+            return state.failed
         try:
             warm = torch.zeros(dispatch.QUANTIZED_MAX_BYTES // 2, dtype=torch.bfloat16, device=call.device)
             module.quantized_all_reduce(warm, group, output=torch.empty_like(warm))
@@ -78,9 +87,9 @@ class QuantizedAllReduce:
         except Exception as e:  # e.g. no symmetric memory (no NVSwitch / P2P): every rank learns below
             problem = f"FlashInfer quantized all-reduce set-up failed: {type(e).__name__}: {e}"
         if not all_ranks_agree(problem is None, group, comm_dev):
-            state.codec_failed = problem or "FlashInfer quantized all-reduce set-up failed on another rank"
-            return state.codec_failed
-        state.codec_ready = True
+            state.failed = problem or "FlashInfer quantized all-reduce set-up failed on another rank"
+            return state.failed
+        state.ready = True
         knobs = "no CUDA device"  # a stand-in module on CPU (tests)
         if call.device.type == "cuda":
             facts = self.facts(call)
