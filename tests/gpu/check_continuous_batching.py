@@ -52,6 +52,8 @@ sys.path.insert(0, str(ROOT))
 
 import arfusion  # noqa: E402
 from arfusion import hf  # noqa: E402
+from arfusion.backends import get_backend  # noqa: E402
+from arfusion.decisions import Reason  # noqa: E402
 from arfusion.hf.configs import tiny_config  # noqa: E402
 from arfusion.testing import generate_batch, greedy_departures  # noqa: E402
 
@@ -173,6 +175,11 @@ def check_model(model_type: str, args, dtype, device, backend: str) -> dict:
         problems.append(f"calls off the kernels: {stats['dispatch']}")
     if graphs and (not stats["dispatch_in_cuda_graphs"] or not set(stats["dispatch_in_cuda_graphs"]) <= kernels):
         problems.append(f"captured calls: {stats['dispatch_in_cuda_graphs']}")
+    if backend == "flashinfer":  # one workspace for every group of these ranks (EP and TP groups too)
+        held = [s for s in get_backend("flashinfer")._groups.everything() if s.workspace is not None]
+        result["flashinfer_workspaces"] = len(held)
+        if len(held) != 1:
+            problems.append(f"{len(held)} FlashInfer workspaces held, not one")
     if upstream:
         result["upstream"] = upstream
     result["problems"] = problems
@@ -218,9 +225,6 @@ def main() -> int:
         name = "continuous_batching" + ("_cuda_graphs" if args.cuda_graphs else "") + ".json"
         Path(args.out, name).write_text(json.dumps(everyone, indent=1))
     if backend == "flashinfer":
-        from arfusion.backends import get_backend
-        from arfusion.decisions import Reason
-
         fi = get_backend("flashinfer")
         if not isinstance(fi, Reason):
             fi.close()
