@@ -557,6 +557,23 @@ def test_one_communicator_per_group(rocm_env):
     assert backend._communicators == {}
 
 
+@pytest.mark.parametrize("same_ranks", [True, False])
+def test_groups_of_the_same_ranks_share_one_communicator(rocm_env, monkeypatch, same_ranks):
+    """transformers >= 5.25 all-reduces a MoE layer's experts over an expert-parallel group of the
+    TP group's ranks: one CustomAllreduce (and one quick all-reduce) serves both."""
+    fake = rocm_env("gfx950", V_MAIN)
+    ranks = {f"pg:{GROUP}": [0, 1], "pg:tp1": [0, 1] if same_ranks else [2, 3]}
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: ranks[group])
+    backend = AiterBackend()
+    run_and_expect(backend, call())
+    other = Call(**{**call().__dict__, "group_name": "tp1"})
+    backend.run(other, *inputs(other))
+    assert fake.names().count("__init__") == (1 if same_ranks else 2)
+    assert (backend._communicators[GROUP] is backend._communicators["tp1"]) == same_ranks
+    backend.close()
+    assert backend._communicators == {}
+
+
 def test_a_recreated_group_gets_a_new_communicator(rocm_env, monkeypatch):
     """destroy_process_group + init_process_group hand the name out again for other peers: the old
     communicator (IPC buffers of the old peers) must not serve the new group. Failed before the

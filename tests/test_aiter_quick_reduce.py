@@ -245,6 +245,21 @@ def test_a_recreated_group_sets_up_again(qr_env, monkeypatch):
     assert sum(comm["destroyed"] for comm in fake.qr_comms.values()) == 2  # the replaced one too
 
 
+def test_groups_of_the_same_ranks_share_one_quick_reduce(qr_env, monkeypatch):
+    """An expert-parallel group of the TP group's ranks (transformers >= 5.25) sets up nothing more."""
+    fake = qr_env(V_MAIN)
+    live = {"tp0": "pg:tp0", "ep0": "pg:ep0", "tp1": "pg:tp1"}
+    ranks = {"pg:tp0": [0, 1], "pg:ep0": [0, 1], "pg:tp1": [2, 3]}
+    monkeypatch.setattr(communicator, "resolve", lambda name: live[name])
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", lambda group: ranks[group])
+    backend = AiterBackend()
+    for name in ("tp0", "ep0", "tp1"):
+        assert backend.prepare_codec(Call(**{**sized(64 * MIB).__dict__, "group_name": name}), "fp8") is None
+    assert qr_names(fake).count("init_custom_qr") == 2  # tp0 and ep0 share; tp1, other ranks, has its own
+    backend.close()
+    assert sum(comm["destroyed"] for comm in fake.qr_comms.values()) == 2  # each once
+
+
 @pytest.mark.parametrize("version", [V017, V_MAIN])
 def test_set_up_once_per_group_with_the_versions_handle_exchange(qr_env, version):
     fake = qr_env(version, world_size=4)

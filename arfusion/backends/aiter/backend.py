@@ -40,12 +40,13 @@ class AiterBackend(Backend):
         # aiter's quick all-reduce codecs (QuickReduceRegime FP8, INT6, INT4); no INT8.
         codecs=frozenset(QUICK_REDUCE_REGIMES),
     ))
-    # Per group, renewed when the name comes to mean another group (see PerGroup).
-    # One CustomAllreduce per group serves its fused sites and its plain all-reduces.
-    _communicators: PerGroup = field(
-        default_factory=lambda: PerGroup(lambda: None, communicator.resolve_or_none), repr=False)
-    _quick_reduce: PerGroup = field(
-        default_factory=lambda: PerGroup(QuickReduceGroup, communicator.resolve_or_none), repr=False)
+    # Per group, renewed when the name comes to mean another group, and shared by groups of the
+    # same ranks (see PerGroup). One CustomAllreduce per group serves its fused sites and its
+    # plain all-reduces.
+    _communicators: PerGroup = field(default_factory=lambda: PerGroup(
+        lambda: None, communicator.resolve_or_none, same_ranks_share=True), repr=False)
+    _quick_reduce: PerGroup = field(default_factory=lambda: PerGroup(
+        QuickReduceGroup, communicator.resolve_or_none, same_ranks_share=True), repr=False)
 
     def _detected(self, device: torch.device) -> Detected | str:
         if device.type != "cuda":
