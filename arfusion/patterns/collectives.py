@@ -41,8 +41,9 @@ aten = torch.ops.aten
 def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
     """add([f *] AR(a), [f *] AR(b)) on one group, or two groups of the same ranks (`same_ranks`)
     -> AR([f *] a + [f *] b); "plain" or "gated" (a term had a factor) where merged, else None.
-    The sum of the two upcast and cast back (`region.widened_sum`) is taken the same way per rank before the reduction: one rounding to
-    the narrow dtype per rank where the graph rounded after each all-reduce and after the sum."""
+    The sum of the two upcast and cast back (`region.widened_sum`) is taken the same way per rank
+    before the reduction: one rounding to the narrow dtype per rank where the graph rounded after
+    each all-reduce and after the sum."""
     if not is_add(add):
         return None
     (back,) = add.users if len(add.users) == 1 else (None,)
