@@ -21,8 +21,10 @@ TORCHRUN="python -m torch.distributed.run --nproc-per-node"
 # TRANSFORMERS_WHEEL=path: run the stages with that transformers (carried in .whl/), not the machine's.
 if [ -n "${TRANSFORMERS_WHEEL:-}" ]; then
   tf_dir=/tmp/transformers-$(basename "$TRANSFORMERS_WHEEL" .whl)
-  [ -d "$tf_dir" ] || python -m pip install -q --no-deps --no-compile --target "$tf_dir" "$TRANSFORMERS_WHEEL"
-  export PYTHONPATH="$tf_dir:$PYTHONPATH"
+  # with the wheels of a hub/ folder beside it (transformers >= 5.25 needs huggingface_hub 2.4)
+  [ -d "$tf_dir" ] || python -m pip install -q --no-deps --no-compile --target "$tf_dir" "$TRANSFORMERS_WHEEL" \
+    $(ls "$(dirname "$TRANSFORMERS_WHEEL")"/hub/*.whl 2>/dev/null)
+  export PYTHONPATH="$tf_dir:$PYTHONPATH" USE_HUB_KERNELS="${USE_HUB_KERNELS:-0}"
 fi
 TF_TAG=$(python -c "import transformers; print(transformers.__version__)" 2>/dev/null)
 CB_MODELS="${CB_MODELS:-llama,qwen3_moe,aria_text,gemma3_text}"
