@@ -9,7 +9,7 @@
 after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host; stages joined by ">" run one
 after another in their lane (quantized2@2,3>moe2@2,3 beside site2@0,1). A stage may set variables after ":"
 (generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl runs it with that transformers,
-installed apart, with the wheels of a hub/ folder beside it: 5.25 needs huggingface_hub 2.4). Each stage runs under its own limit, cut to what is left of --deadline, and writes its JSON
+installed apart; TRANSFORMERS_DEPS=.whl/hub adds that folder's wheels: 5.25 needs huggingface_hub 2.4). Each stage runs under its own limit, cut to what is left of --deadline, and writes its JSON
 and log under --out/STAGE (the folder's name adds the stage's variables and arguments). Off and on run in one
 process (serving: in two stages at once on two GPU pairs, or back to back on the same warm host), so every
 ratio comes from one machine. A decode stage needs the host alone: its six compiles (off, on, floor; batch 1
@@ -95,9 +95,10 @@ def stage_env(devices: list[int] | None, extra: dict) -> dict:
     wheel = extra.pop("TRANSFORMERS_WHEEL", None)
     if wheel:  # that transformers, installed apart, ahead of the machine's
         target = Path("/tmp") / f"transformers-{Path(wheel).stem}"
-        # transformers >= 5.25 needs a huggingface_hub newer than the machines': its wheels and
-        # theirs, carried in a hub/ folder beside the wheel, go in with it.
-        deps = sorted(str(p) for p in (Path(wheel).parent / "hub").glob("*.whl"))
+        # transformers >= 5.25 needs a huggingface_hub newer than the machines': TRANSFORMERS_DEPS
+        # names a folder of wheels (it and its own) that go in with it.
+        folder = extra.pop("TRANSFORMERS_DEPS", None)
+        deps = sorted(str(p) for p in Path(folder).glob("*.whl")) if folder else []
         if not target.exists():
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
                             str(target), wheel, *deps], check=True)

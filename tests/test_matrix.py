@@ -248,8 +248,9 @@ def test_one_gpu_stand_in_stages_run_as_one_plain_process(tmp_path):
 
 
 def test_a_carried_transformers_goes_in_with_the_hub_wheels_beside_it(tmp_path, monkeypatch):
-    """transformers 5.25 needs huggingface_hub 2.4, which the GPU machines lack: wheels in hub/
-    beside the carried wheel are installed with it, and hub kernels are off (no network there)."""
+    """transformers 5.25 needs huggingface_hub 2.4, which the GPU machines lack: the wheels of the
+    folder TRANSFORMERS_DEPS names go in with the carried wheel (none without it), and hub kernels
+    are off (no network there)."""
     (tmp_path / "hub").mkdir()
     for name in ("transformers-9.9.9-py3-none-any.whl", "hub/huggingface_hub-2.4.0-py3-none-any.whl",
                  "hub/httpx2-2.17.0-py3-none-any.whl"):
@@ -258,8 +259,11 @@ def test_a_carried_transformers_goes_in_with_the_hub_wheels_beside_it(tmp_path, 
     monkeypatch.setattr(matrix.subprocess, "run", lambda cmd, check: installs.append(cmd))
     monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
     wheel = str(tmp_path / "transformers-9.9.9-py3-none-any.whl")
-    env = matrix.stage_env(None, {"TRANSFORMERS_WHEEL": wheel})
+    env = matrix.stage_env(None, {"TRANSFORMERS_WHEEL": wheel, "TRANSFORMERS_DEPS": str(tmp_path / "hub")})
     assert [Path(p).name for p in installs[0][-3:]] == [
         "transformers-9.9.9-py3-none-any.whl", "httpx2-2.17.0-py3-none-any.whl", "huggingface_hub-2.4.0-py3-none-any.whl"]
+    assert "TRANSFORMERS_DEPS" not in env
+    matrix.stage_env(None, {"TRANSFORMERS_WHEEL": wheel})
+    assert installs[1][-1] == wheel  # the wheel alone
     assert env["PYTHONPATH"].startswith("/tmp/transformers-transformers-9.9.9-py3-none-any:")
     assert env["USE_HUB_KERNELS"] == "0"

@@ -21,9 +21,9 @@ TORCHRUN="python -m torch.distributed.run --nproc-per-node"
 # TRANSFORMERS_WHEEL=path: run the stages with that transformers (carried in .whl/), not the machine's.
 if [ -n "${TRANSFORMERS_WHEEL:-}" ]; then
   tf_dir=/tmp/transformers-$(basename "$TRANSFORMERS_WHEEL" .whl)
-  # with the wheels of a hub/ folder beside it (transformers >= 5.25 needs huggingface_hub 2.4)
+  # TRANSFORMERS_DEPS=folder: its wheels go in too (transformers >= 5.25 needs huggingface_hub 2.4)
   [ -d "$tf_dir" ] || python -m pip install -q --no-deps --no-compile --target "$tf_dir" "$TRANSFORMERS_WHEEL" \
-    $(ls "$(dirname "$TRANSFORMERS_WHEEL")"/hub/*.whl 2>/dev/null)
+    ${TRANSFORMERS_DEPS:+"$TRANSFORMERS_DEPS"/*.whl}
   export PYTHONPATH="$tf_dir:$PYTHONPATH" USE_HUB_KERNELS="${USE_HUB_KERNELS:-0}"
 fi
 TF_TAG=$(python -c "import transformers; print(transformers.__version__)" 2>/dev/null)
