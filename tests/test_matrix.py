@@ -247,7 +247,7 @@ def test_one_gpu_stand_in_stages_run_as_one_plain_process(tmp_path):
     assert row["case"] == "greedy, batch 1, default mode (no CUDA graphs)" and row["pairs"] == 12
 
 
-def test_a_carried_transformers_goes_in_with_the_hub_wheels_beside_it(tmp_path, monkeypatch):
+def test_a_carried_transformers_goes_in_with_the_wheels_of_its_deps_folder(tmp_path, monkeypatch):
     """transformers 5.25 needs huggingface_hub 2.4, which the GPU machines lack: the wheels of the
     folder TRANSFORMERS_DEPS names go in with the carried wheel (none without it), and hub kernels
     are off (no network there)."""
