@@ -214,8 +214,8 @@ def same_ranks(group_a: str, group_b: str) -> bool:
     two groups of the same ranks)."""
     if group_a == group_b:
         return True
-    a, b = resolve_group(group_a), resolve_group(group_b)
-    return a is not None and b is not None and dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)
+    ranks = live_ranks(resolve_group(group_a))
+    return ranks is not None and ranks == live_ranks(resolve_group(group_b))
 
 
 def group_size(group_name: str) -> int:
@@ -227,13 +227,19 @@ def comm_device(group, device: torch.device) -> torch.device:
     return device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
 
 
-def group_is_live(group) -> bool:
-    """False once destroy_process_group has removed `group` (its object may still be held)."""
+def live_ranks(group) -> list[int] | None:
+    """The global ranks of `group` in its order; None for no group, or one that
+    destroy_process_group has removed (its object may still be held)."""
+    if group is None:
+        return None
     try:
-        dist.get_process_group_ranks(group)
+        return dist.get_process_group_ranks(group)
     except (KeyError, ValueError, RuntimeError):
-        return False
-    return True
+        return None
+
+
+def group_is_live(group) -> bool:
+    return live_ranks(group) is not None
 
 
 class PerGroup(dict):
@@ -271,12 +277,10 @@ class PerGroup(dict):
 
     def _twin(self, group):
         """The state of another live group of the same ranks in the same order, where shared."""
-        if not self.same_ranks_share or group is None or not group_is_live(group):
+        ranks = live_ranks(group) if self.same_ranks_share else None
+        if ranks is None:
             return None
-        ranks = dist.get_process_group_ranks(group)
-        return next((self[name] for name, other in self._made_for.items()
-                     if other is not None and group_is_live(other) and dist.get_process_group_ranks(other) == ranks),
-                    None)
+        return next((self[name] for name, other in self._made_for.items() if live_ranks(other) == ranks), None)
 
     def everything(self) -> list:
         """Current and stale states, each once (groups of the same ranks may share one): what
