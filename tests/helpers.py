@@ -57,8 +57,9 @@ def _join(rank, world, port):
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _leave():
-    dist.destroy_process_group()
+def leave():
+    if dist.is_initialized():
+        dist.destroy_process_group()
     # Done and torn down: leave without the interpreter's own teardown, where gloo's threads
     # sometimes abort the process ("terminate called without an active exception", SIGABRT after
     # a passing test; pytorch/pytorch#179291, as in tests/gpu/soak.py).
@@ -74,7 +75,7 @@ def _worker(rank, world, port, fn, args):
     except BaseException:
         dist.destroy_process_group()
         raise  # mp.spawn reports it
-    _leave()
+    leave()
 
 
 FRESH_ENV = "ARFUSION_TEST_FRESH_RANKS"
@@ -159,7 +160,7 @@ def _serve(rank, world, port, jobs, results):
             os.environ.update(env)
             inductor_config.post_grad_custom_post_pass = slot
         results.put((rank, error))
-    _leave()
+    leave()
 
 
 def stderr_for_a_user(stderr: str) -> list[str]:
