@@ -29,6 +29,7 @@ from arfusion.core import Call, Form
 from arfusion.decisions import Why
 
 from .fake_flashinfer import B200, H200, FlashInferDeprecation, install_fake_flashinfer, remove_fake_flashinfer
+from .helpers import leave
 
 MiB = dispatch.MiB
 CUDA = torch.device("cuda", 0)
@@ -302,7 +303,7 @@ def _worker(rank, world, init_file, out_dir):
         scenario(name, dist.new_group([0, 1]))
     backend.close()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, default=str))
-    dist.destroy_process_group()
+    leave()
 
 
 def shared_scenario(calls, backend, rank):
