@@ -232,7 +232,7 @@ def main() -> int:
         log_arfusion_info()
     if args.flashinfer_host_path:
         flashinfer_host_path_only()
-    fakes = contextlib.ExitStack()
+    scoped = contextlib.ExitStack()
     cuda = torch.cuda.is_available() and not args.cpu
     one_rank = None  # with --nccl-host-path: the one-rank group the all-reduces run on
     if args.shared_gpu:
@@ -244,7 +244,7 @@ def main() -> int:
             torch.cuda.set_device(0 if args.fake_world else int(os.environ.get("LOCAL_RANK", 0)))
         one_rank = init_world(args, cuda)
         if args.fake_world:  # continuous batching's scheduling group (gloo) joins the fake world too
-            fakes.enter_context(fake_gloo_groups())
+            scoped.enter_context(fake_gloo_groups())
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     args.cuda_graphs = args.cuda_graphs and cuda
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -260,7 +260,7 @@ def main() -> int:
     shorten_idle_wait(args.idle_wait_ms / 1e3)
     steps = []
     record_steps(steps)
-    pauses = GcPauses()
+    pauses = scoped.enter_context(GcPauses())  # its gc callback goes when main ends
 
     cb = {"max_memory_percent": args.max_memory_percent} if cuda else {}
     if cuda:
@@ -366,7 +366,7 @@ def main() -> int:
     if rank == 0:
         print(json.dumps({m: r.get("on_over_off") for m, r in result["mixes"].items()}), flush=True)
     dist.barrier()
-    fakes.close()
+    scoped.close()
     dist.destroy_process_group()
     return 0
 

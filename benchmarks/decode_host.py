@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import faulthandler
-import functools
 import statistics
 import time
 
@@ -224,19 +223,17 @@ def profile_call(call, n: int, inspect=None) -> dict:
             "graph_launches": tally["graph_launches"], "kernel_launches": tally["kernel_launches"]}
 
 
-@functools.cache
-def _gc_pauses() -> GcPauses:
-    """One recorder of garbage collections per process (each installs a gc callback for good)."""
-    return GcPauses()
-
-
 def measure_variant(b, runners: dict, calls: dict, progress) -> dict:
     """Interleaved pairs of every config's (long, short) calls: see the module's docstring."""
+    with GcPauses() as pauses:  # its gc callback lives as long as the measurement
+        return _measure(b, runners, calls, progress, pauses)
+
+
+def _measure(b, runners: dict, calls: dict, progress, pauses: GcPauses) -> dict:
     long_n, short_n = max(b.args.lengths), min(b.args.lengths)
     counters = torch._dynamo.utils.counters
     names = list(runners)
     out = {name: {"first_call_s": {}, "dispatch": collections.Counter()} for name in names}
-    pauses = _gc_pauses()
 
     def one(name: str, n: int) -> dict:
         before = arfusion.stats()

@@ -82,11 +82,22 @@ def step_summary(steps: list, admitted: float | None = None) -> dict:
 
 class GcPauses:
     """Python's garbage collections while installed (any thread): when each began, how long it
-    took, its generation. A pause holds the host's generation loop: a gap the GPU may wait through."""
+    took, its generation. A pause holds the host's generation loop: a gap the GPU may wait through.
+    A context manager: leaving it (or close()) removes its gc callback."""
 
     def __init__(self):
         self.reset()
         gc.callbacks.append(self._seen)
+
+    def close(self) -> None:
+        if self._seen in gc.callbacks:
+            gc.callbacks.remove(self._seen)
+
+    def __enter__(self) -> "GcPauses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def reset(self) -> None:
         self.seen, self._began = [], None

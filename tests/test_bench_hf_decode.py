@@ -267,12 +267,14 @@ def test_excluded_pairs_and_spread():
 
     b = types.SimpleNamespace(args=types.SimpleNamespace(lengths=[144, 16], pairs=3), cuda=False,
                               device=torch.device("cpu"))
+    callbacks = list(gc.callbacks)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(decode_host, "wall_ms", lambda fn, device=None: fn())
         mp.setattr(decode_host, "cudagraph_tree_work", work)
         mp.setattr(decode_host.dist, "barrier", lambda: None)
         out = decode_host.measure_variant(b, runners, {"off": call_for("off", 10), "on": call_for("on", 8)},
                                           types.SimpleNamespace(update=lambda *_: None))
+    assert gc.callbacks == callbacks  # the gc recorder left with the measurement
     assert out["excluded_pairs"] == 1 and out["valid_pairs"] == 3 and len(out["pairs"]) == 4
     assert out["excluded_why"] == {"on: CUDA graphs recorded again or eager warm-up": 1}
     assert not out["pairs"][0]["valid"] and all(p["valid"] for p in out["pairs"][1:])
