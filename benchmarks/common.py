@@ -108,7 +108,8 @@ def flashinfer_host_path_only() -> None:
     path (route, workspace check, output allocation, the kernel call's arguments) on a stand-in
     workspace and stops short of the kernel, whose outputs stay unwritten (numbers wrong). What a
     step costs the host with the pass on FlashInfer, without the peers FlashInfer needs. The
-    kernel call's own host time (~9 us on an H200 host, docs/benchmarks.md) is left out."""
+    kernel call's own host time (~10 us on an H200 host, docs/history/2026-11-29-matrix-fourteenth-stage.md)
+    is left out."""
     import types
 
     from arfusion.backends import flashinfer_kernel

@@ -1,6 +1,7 @@
 """The speed goals of the matrix (issue 44), each against every matrix row that measures it.
 
     python benchmarks/matrix_goals.py docs/data/matrix/matrix_*.json          # a markdown table
+    python benchmarks/matrix_goals.py docs/data/matrix/matrix_*.json --plot docs/data/matrix/goals.png
 
 A goal names the rows it reads (path, model, TP, case) and a bar on one number of each row:
 the share of time saved (1 - on/off, for times), the gain (on/off - 1, for rates), the on/off
@@ -19,6 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from common import pyplot  # noqa: E402
 from matrix import BAR  # noqa: E402
 
 
@@ -105,12 +107,49 @@ def goals_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def goals_plot(rows: list[dict], png: Path) -> None:
+    """One strip per goal: each machine's measurement (its letter above the dot), the target dotted;
+    green where the row meets it, red where not."""
+    plt = pyplot()
+    fig, axes = plt.subplots(len(GOALS), 1, figsize=(10, 0.62 * len(GOALS) + 0.4))
+    for ax, goal in zip(axes, GOALS):
+        percent = goal.measure in ("saved", "gain", "removed")
+        scale = 100 if percent else 1
+        points = [(r["machine"].rsplit("_", 1)[-1].upper(), v * scale) for r in goal.rows(rows)
+                  if (v := goal.value(r)) is not None]
+        target = goal.bar * scale
+        ax.axvline(target, color="red", ls=":", lw=1)
+        values = [v for _, v in points] + [target]
+        pad = 0.08 * (max(values) - min(values)) + (1 if percent else 0.02)
+        ax.set_xlim(min(values) - pad, max(values) + pad)
+        near, below = 0.015 * (max(values) - min(values) + 2 * pad), False
+        ordered = sorted(points, key=lambda p: p[1])
+        for i, (machine, v) in enumerate(ordered):
+            ax.plot(v, 0, "o", ms=5, alpha=0.75, color="tab:green" if v >= target else "tab:red")
+            below = i > 0 and not below and v - ordered[i - 1][1] < near  # close to the last: the other side
+            ax.annotate(machine, (v, 0), xytext=(0, -10 if below else 4), textcoords="offset points", fontsize=6,
+                        ha="center")
+        ax.set_ylim(-1, 1.6)
+        ax.set_yticks([])
+        ax.tick_params(axis="x", labelsize=6, pad=1)
+        ax.xaxis.set_major_formatter(f"{{x:g}}{'%' if percent else '×'}")
+        ax.set_title(f"{goal.what}: {goal.target()}" + ("" if points else " (not measured)"), fontsize=7, loc="left",
+                     pad=2)
+        for side in ("left", "right", "top"):
+            ax.spines[side].set_visible(False)
+    fig.tight_layout(h_pad=0.3)
+    fig.savefig(str(png), dpi=110)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", type=Path, help="matrix_<machine>.json files (matrix.py report)")
+    p.add_argument("--plot", type=Path, help="also draw the goals, a strip each, to this PNG")
     args = p.parse_args(argv)
     rows = [r for f in args.files for r in json.loads(f.read_text())["rows"]]
     print(goals_table(rows))
+    if args.plot:
+        goals_plot(rows, args.plot)
     return 0
 
 

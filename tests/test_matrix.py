@@ -229,6 +229,17 @@ def test_goals_read_each_row_by_its_measure():
     assert "not in this row (batch 1)" in matrix_goals.goals_table(rows)
 
 
+def test_goals_plot_draws_a_strip_per_goal(tmp_path):
+    """--plot draws every goal, measured or not, to one PNG beside the table."""
+    pytest.importorskip("matplotlib")
+    row = {"versions": {"transformers": "5.24.0"}, "machine": "h200x2_2026-11-28_h", "path": "decode step (CUDA graph)",
+           "model": "llama 32L h4096", "tp": 2, "case": "batch 1", "speed": 1.18, "comm_removed_pct": 78.5}
+    (tmp_path / "matrix_h.json").write_text(json.dumps({"rows": [row]}))
+    png = tmp_path / "goals.png"
+    assert matrix_goals.main([str(tmp_path / "matrix_h.json"), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+
+
 def test_one_gpu_stand_in_stages_run_as_one_plain_process(tmp_path):
     """A --fake-world stage (one GPU standing for TP=2's host path) runs as one python process, not
     under torchrun (bench_hf_decode refuses that); its rows say what stood in for the all-reduces."""
