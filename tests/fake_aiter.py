@@ -7,15 +7,18 @@ nothing here says anything about aiter's kernels.
 The signatures below are aiter's, copied as signatures only (names, order, defaults) from:
   V017:  amd-aiter 0.1.7.post2.dev18 (PyPI), aiter/dist/device_communicators/custom_all_reduce.py
   V_STAGE: ROCm/aiter commit 86a98ee, same file (use_1stage added, return order flipped)
-  V_MAIN: ROCm/aiter main commit 03644e5, same file (gemma_norm, quant variants, IPCBufferPool,
-         the AITER_CUSTOM_AR_MIN_SIZE / AITER_CUSTOM_AR_MAX_SIZE window of aiter#4233)
+  V_MAIN: ROCm/aiter main commit e404860 (2026-08-22), same file (gemma_norm, quant variants,
+         IPCBufferPool, the AITER_CUSTOM_AR_MIN_SIZE / AITER_CUSTOM_AR_MAX_SIZE window of
+         aiter#4233); its version string is what setuptools_scm gives a build of that commit.
+         Commit 03644e5 (2026-07-24, read before) has the same signatures but for
+         `transpose_scale`, and 1-stage kernels without aiter#4346's closing barrier.
 Every `custom_*` method returns None where aiter's `should_custom_ar(input)` says no (see
 `custom_ar_fits`, this file's own code written from those versions' rules).
 
 The quick all-reduce ("quickreduce") ops and its communicator module, likewise signatures only:
   V017:  the 0.1.7.post2.dev18 wheel, aiter/ops/quick_all_reduce.py (star-imported into `aiter`)
          and aiter/dist/device_communicators/quick_all_reduce.py (QuickReduceRegime)
-  V_MAIN: ROCm/aiter main (read at 4f5c2ba and 0c3e72b), the same two files; the fake's
+  V_MAIN: ROCm/aiter main (read at 4f5c2ba, 0c3e72b and e404860), the same two files; the fake's
          qr_exchange_handles does what main's does (the code is this file's own)
   V_STAGE: not read for the quick all-reduce, so the fake gives that version none.
 
@@ -43,7 +46,7 @@ from arfusion import reference
 from arfusion.backends.aiter import limits
 from arfusion.core import Call, Form
 
-V017, V_STAGE, V_MAIN = "0.1.7.post2.dev18", "0.1.9+g86a98ee", "0.1.13+g03644e5"
+V017, V_STAGE, V_MAIN = "0.1.7.post2.dev18", "0.1.9+g86a98ee", "0.1.21.dev46+ge4048607a5"
 
 
 # --- documented signatures, one namespace per version (bodies are never run) -------------
@@ -76,7 +79,7 @@ class _SigMain:
                                   gemma_norm=False, emit_bf16=False): ...
     # returns (fp8, res_out, scale [T, H/group]) (+ bf16 norm when emit_bf16)
     def custom_fused_ar_rms_per_group_quant(self, input, residual_inp, weight, eps, group_size=128,
-                                            use_1stage=False, emit_bf16=False): ...
+                                            use_1stage=False, emit_bf16=False, transpose_scale=False): ...
     def close(self): ...
 
 
@@ -101,8 +104,6 @@ class _QrOps017:
 
 
 class _QrOpsMain(_QrOps017):
-    @staticmethod
-    def init_custom_qr(rank, world_size, qr_max_size=None, quant_level=None): ...
     @staticmethod
     def qr_get_handle(fa, out_ptr): ...  # writes the 64-byte handle at host address out_ptr
     @staticmethod
@@ -242,7 +243,8 @@ class FakeAiter:
             return quantized("fp8_dynamic", input, residual_inp, weight, eps, gemma_norm, emit_bf16)
 
         def custom_fused_ar_rms_per_group_quant(self, input, residual_inp, weight, eps, group_size=128,
-                                                use_1stage=False, emit_bf16=False):
+                                                use_1stage=False, emit_bf16=False, transpose_scale=False):
+            assert not transpose_scale, "arfusion reads the scale row-major"
             return quantized("fp8_group", input, residual_inp, weight, eps, False, emit_bf16)
 
         def close(self):
@@ -326,7 +328,7 @@ class FakeAiter:
         fake, ints = self, lambda *v: all(isinstance(x, int) and not isinstance(x, bool) for x in v)
         regimes = QR_REGIMES[self.version]
 
-        def init_custom_qr(rank, world_size, qr_max_size=None, quant_level=None):
+        def init_custom_qr(rank, world_size, qr_max_size=None):
             fake._contract(ints(rank, world_size), "init_custom_qr: rank and world_size must be ints")
             fake._contract(qr_max_size is None or ints(qr_max_size), "init_custom_qr: qr_max_size: int or None")
             if world_size > 8 or world_size == 6 or world_size % 2 or not 0 <= rank < world_size:

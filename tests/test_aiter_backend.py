@@ -8,6 +8,7 @@ with arfusion's reference math. Nothing here has run on ROCm hardware or any ait
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import importlib.abc
 import importlib.machinery
@@ -193,12 +194,12 @@ def test_auto_resolves_to_torch_on_cpu(block_aiter):
 
 @pytest.mark.parametrize("version, expected", [
     (V017, dict(choose_stage=False, norm_first=False, gemma_norm=False, per_token_quant=False,
-                per_group_quant=False, flexible_hidden=False)),
+                per_group_quant=False, flexible_hidden=False, one_stage_barrier=False)),
     (V_STAGE, dict(choose_stage=True, norm_first=True, gemma_norm=False, per_token_quant=False,
-                   per_group_quant=False, flexible_hidden=False)),
+                   per_group_quant=False, flexible_hidden=False, one_stage_barrier=False)),
     (V_MAIN, dict(choose_stage=True, norm_first=True, gemma_norm=True, per_token_quant=True,
                   per_token_gemma=True, per_group_quant=True, per_group_norm_out=True,
-                  flexible_hidden=True)),
+                  flexible_hidden=True, one_stage_barrier=True)),
 ])
 def test_api_is_read_from_signatures(version, expected):
     api = found_for(version=version).api
@@ -303,8 +304,23 @@ def test_one_stage_choice(kwargs, one_stage):
 
 @pytest.mark.parametrize("hidden, one_stage", [(4096, True), (2048, True), (5120, False), (2880, False)])
 def test_one_stage_on_old_aiter_only_for_its_hidden_sizes(hidden, one_stage):
-    api = found_for(version=V_STAGE).api
+    # An aiter without IPCBufferPool, as if its 1-stage kernels had the closing barrier.
+    api = dataclasses.replace(found_for(version=V_STAGE).api, one_stage_barrier=True)
     assert stages.use_one_stage(call(tokens=1, hidden=hidden), api) is one_stage
+
+
+@pytest.mark.parametrize("version, barrier", [
+    ("0.1.19", False), ("0.1.19.post1", True), ("0.1.20.post1", True),  # releases: the fix from v0.1.19.post1
+    ("0.1.20.dev1+g9312ef7c01", False), ("0.1.20.dev2+g0e47575820", True),  # main: from v0.1.19-2
+    ("0.1.13+g03644e5", False), (V_STAGE, False), (V017, False),
+    ("0.1.19.post1.dev3", False), ("0.1.20rc1", False), ("0.1.0", False), ("unknown", False),  # unreadable: without
+])
+def test_one_stage_only_where_its_kernels_end_with_a_barrier(version, barrier):
+    """aiter#4346: before it, a 1-stage fused call could let a rank reuse its buffer while a peer
+    still read it. Only the version tells; without the fix every call takes the 2-stage kernel."""
+    assert detection.has_one_stage_barrier(version) is barrier
+    api = dataclasses.replace(found_for().api, one_stage_barrier=detection.has_one_stage_barrier(version))
+    assert stages.use_one_stage(call(tokens=1, hidden=4096), api) is barrier
 
 
 # ---------------------------------------------------------------- which stages are planned
@@ -422,9 +438,21 @@ def test_call_contract_0_1_7(rocm_env):
     assert x.is_contiguous() and x.dim() == 2
 
 
-@pytest.mark.parametrize("tokens, one_stage", [(80, True), (81, False)])
-def test_call_contract_stage_choice(rocm_env, tokens, one_stage):
-    fake = rocm_env("gfx942", V_STAGE)
+@pytest.mark.parametrize("version, says", [(V_STAGE, True), (V_MAIN, False)])
+def test_detection_says_when_it_keeps_to_the_two_stage_kernel(monkeypatch, caplog, version, says):
+    simulate_rocm(monkeypatch, "gfx942", FakeAiter(version=version))
+    with caplog.at_level(logging.INFO, logger="arfusion"):
+        found = detection.detect(0)
+    assert found.api.one_stage_barrier is not says
+    assert ("aiter#4346" in caplog.text) is says
+
+
+@pytest.mark.parametrize("version, tokens, one_stage", [
+    (V_MAIN, 80, True), (V_MAIN, 81, False),
+    (V_STAGE, 80, False),  # its 1-stage kernels lack aiter#4346's closing barrier
+])
+def test_call_contract_stage_choice(rocm_env, version, tokens, one_stage):
+    fake = rocm_env("gfx942", version)
     run_and_expect(AiterBackend(), call(tokens=tokens, hidden=1024))
     name, args, kwargs = fake.calls[-1]
     assert name == "custom_fused_ar_rms" and len(args) == 4 and kwargs == {"use_1stage": one_stage}

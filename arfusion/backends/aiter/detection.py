@@ -13,13 +13,17 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .limits import CUSTOM_AR_MODULE, DISABLE_QUANT_ENV, LIMITS
+
+log = logging.getLogger("arfusion")
 
 
 @dataclass(frozen=True)
@@ -28,8 +32,9 @@ class AiterApi:
 
     Return order of `custom_fused_ar_rms` (it changed without a rename): in amd-aiter
     0.1.7.post2.dev18 the method has no `use_1stage` and returns (residual_out, out); from
-    the commit that added `use_1stage` (seen at ROCm/aiter 86a98ee) through main (03644e5) it
+    the commit that added `use_1stage` (seen at ROCm/aiter 86a98ee) through main (e404860) it
     returns (out, residual_out). So `use_1stage` in the signature means "norm first".
+    `one_stage_barrier` alone is read from the version (see LIMITS.one_stage_barrier_release).
     """
 
     version: str
@@ -41,6 +46,7 @@ class AiterApi:
     per_group_quant: bool  # custom_fused_ar_rms_per_group_quant exists (aiter#2823)
     per_group_norm_out: bool  # ... and takes emit_bf16
     flexible_hidden: bool  # any hidden of whole packs (IPCBufferPool-era aiter, see LIMITS)
+    one_stage_barrier: bool  # its 1-stage fused kernels end with a barrier (aiter#4346)
     fp8: torch.dtype | None = None  # aiter.utility.dtypes.fp8, when readable
 
 
@@ -52,6 +58,32 @@ def _params(cls: Any, method: str) -> frozenset[str]:
         return frozenset(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return frozenset()
+
+
+_VERSION = re.compile(r"v?(\d+(?:\.\d+)*)(?:\.?post(\d+))?(\.?dev\d+)?(?:\+.*)?")
+
+
+def _version_key(version: str) -> tuple | None:
+    """PEP 440 order for releases, post- and dev-releases (a local label ignored); None for
+    anything else (pre-releases, "unknown")."""
+    m = _VERSION.fullmatch(version.strip())
+    if m is None:
+        return None
+    release = tuple(int(n) for n in m.group(1).split("."))
+    release += (0,) * (4 - len(release))
+    dev = m.group(3)
+    return release, int(m.group(2)) if m.group(2) else -1, dev is None, int(re.sub(r"\D", "", dev or "0"))
+
+
+def has_one_stage_barrier(version: str) -> bool:
+    """Whether this aiter's 1-stage fused kernels end with aiter#4346's barrier. A dev build
+    counts from main's first dev number with the fix; anything unreadable counts as without."""
+    key = _version_key(version)
+    if key is None:
+        return False
+    dev = not key[2]
+    floor = _version_key(LIMITS.one_stage_barrier_dev if dev else LIMITS.one_stage_barrier_release)
+    return key >= floor
 
 
 def describe_api(custom_ar_module: Any, version: str, fp8: torch.dtype | None = None) -> AiterApi:
@@ -69,6 +101,7 @@ def describe_api(custom_ar_module: Any, version: str, fp8: torch.dtype | None = 
         per_group_quant=bool(per_group),
         per_group_norm_out="emit_bf16" in per_group,
         flexible_hidden=hasattr(custom_ar_module, "IPCBufferPool"),
+        one_stage_barrier=has_one_stage_barrier(version),
         fp8=fp8,
     )
 
@@ -124,6 +157,10 @@ def detect(device_index: int) -> Detected | str:
     except Exception as e:  # a broken install raises anything (RuntimeError on non-ROCm)
         return f"import aiter failed: {type(e).__name__}: {e}"
     api = describe_api(custom_ar, _aiter_version(aiter_module), _aiter_fp8())
+    if api.choose_stage and not api.one_stage_barrier:
+        log.info("arfusion: aiter %s: its 1-stage fused kernels lack the closing barrier of aiter#4346 "
+                 "(in releases from %s, builds of main from %s); arfusion uses the 2-stage kernel",
+                 api.version, LIMITS.one_stage_barrier_release, LIMITS.one_stage_barrier_dev)
     return Detected(arch=family, api=api, custom_ar=custom_ar)
 
 

@@ -6,7 +6,7 @@ Sources, all public:
   custom_all_reduce.py, COMM = aiter/dist/device_communicators/communicator_cuda.py,
   QR = aiter/dist/device_communicators/quick_all_reduce.py, CUH = csrc/include/
   custom_all_reduce.cuh, CU = csrc/kernels/custom_all_reduce.cu; read in the amd-aiter
-  0.1.7.post2.dev18 wheel (PyPI), at ROCm/aiter 86a98ee, at main 03644e5 and at main e404860;
+  0.1.7.post2.dev18 wheel (PyPI), at ROCm/aiter 86a98ee, at 03644e5 (a branch) and at main e404860;
 * vLLM files by path (vllm/_aiter_ops.py), vLLM, SGLang and aiter pull requests by number
   (vllm#N, SGLang#N, aiter#N).
 """
@@ -58,6 +58,14 @@ class AiterLimits:
     # < 256 KiB, ws=8 < 128 KiB (vLLM uses "<"; every byte limit here is inclusive, one rule).
     one_stage_max_bytes: dict[int, int | None] = field(default_factory=lambda: {
         2: None, 4: 256 * KIB, 8: 128 * KIB})
+    # aiter#4346 (commit 0e47575, 2026-07-28) ended CUH's 1-stage fused kernels (all-reduce +
+    # RMSNorm, and its per-token, per-group and MXFP4 quant forms) with a barrier; without it "a
+    # faster rank may advance while a peer is still reading the previous invocation, causing
+    # silent cross-request corruption" (CUH). No signature marks the fix, only the version:
+    # releases hold it from v0.1.19.post1 (v0.1.19 does not); builds of main from v0.1.19-2,
+    # which setuptools_scm numbers 0.1.20.dev2. Older aiter gets the 2-stage kernel.
+    one_stage_barrier_release: str = "0.1.19.post1"
+    one_stage_barrier_dev: str = "0.1.20.dev2"
     # vLLM vllm/_aiter_ops.py treats aiter without `_pool` (an IPCBufferPool, aiter >= 0.1.12) as
     # old: 1-stage only for these hidden sizes ...
     legacy_one_stage_hidden: tuple[int, ...] = (512, 1024, 2048, 4096)
@@ -90,7 +98,7 @@ class AiterLimits:
     quick_reduce_dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
     # QR _SUPPORTED_WORLD_SIZES; init_custom_qr throws for > 8, 6 and odd sizes.
     quick_reduce_world_sizes: tuple[int, ...] = (2, 4, 8)
-    # QR _should_hip: input bytes % 16 == 0 (main's qr_all_reduce throws otherwise).
+    # QR _should_hip (0.1.7 wheel), should_quick_allreduce (main e404860): input bytes % 16 == 0.
     quick_reduce_align_bytes: int = 16
     # qr_max_size(): INT32_MAX + 1 = 2 GiB, the largest message (inclusive, _should_hip `<=`) when
     # init_custom_qr gets no qr_max_size. The buffer it allocates per rank is twice that (4 GiB,

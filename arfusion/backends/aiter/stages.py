@@ -53,9 +53,10 @@ def legacy_shape_problem(hidden: int, dtype: torch.dtype) -> str | None:
 
 
 def use_one_stage(call: Call, api: AiterApi) -> bool:
-    """1-stage (one block per token, reads all peers) for small inputs, else 2-stage."""
+    """1-stage (one block per token, reads all peers) for small inputs, else 2-stage; always
+    2-stage on aiter whose 1-stage kernels lack their closing barrier (LIMITS)."""
     cap = LIMITS.one_stage_max_bytes.get(call.world_size)
-    return (call.tokens <= LIMITS.one_stage_max_tokens
+    return (api.one_stage_barrier and call.tokens <= LIMITS.one_stage_max_tokens
             and call.hidden // pack_elements(call.dtype) <= LIMITS.one_stage_max_packs
             and (cap is None or call.nbytes <= cap)
             and (api.flexible_hidden or call.hidden in LIMITS.legacy_one_stage_hidden))
