@@ -244,7 +244,8 @@ class FakeAiter:
 
         def custom_fused_ar_rms_per_group_quant(self, input, residual_inp, weight, eps, group_size=128,
                                                 use_1stage=False, emit_bf16=False, transpose_scale=False):
-            assert not transpose_scale, "arfusion reads the scale row-major"
+            fake._contract(not transpose_scale, "custom_fused_ar_rms_per_group_quant: arfusion reads a "
+                                                "row-major scale (transpose_scale=False)")
             return quantized("fp8_group", input, residual_inp, weight, eps, False, emit_bf16)
 
         def close(self):

@@ -71,8 +71,10 @@ def _version_key(version: str) -> tuple | None:
         return None
     release = tuple(int(n) for n in m.group(1).split("."))
     release += (0,) * (4 - len(release))
-    dev = m.group(3)
-    return release, int(m.group(2)) if m.group(2) else -1, dev is None, int(re.sub(r"\D", "", dev or "0"))
+    post = int(m.group(2)) if m.group(2) else -1
+    dev = int(m.group(3).lstrip(".dev")) if m.group(3) else None
+    # (release, post, 0, n) for a dev release sorts before (release, post, 1, 0), the release.
+    return release, post, 0 if dev is not None else 1, dev or 0
 
 
 def has_one_stage_barrier(version: str) -> bool:
@@ -81,8 +83,8 @@ def has_one_stage_barrier(version: str) -> bool:
     key = _version_key(version)
     if key is None:
         return False
-    dev = not key[2]
-    floor = _version_key(LIMITS.one_stage_barrier_dev if dev else LIMITS.one_stage_barrier_release)
+    is_dev = key[2] == 0
+    floor = _version_key(LIMITS.one_stage_barrier_dev if is_dev else LIMITS.one_stage_barrier_release)
     return key >= floor
 
 
