@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.machinery
+import os
 import sys
 import types
 import warnings
@@ -101,7 +102,8 @@ def install_fake_flashinfer():
         return object()
 
     def create_allreduce_fusion_workspace(**kw):
-        calls["create"].append({k: (v.group_name if k == "group" else v) for k, v in kw.items()})
+        calls["create"].append({**{k: (v.group_name if k == "group" else v) for k, v in kw.items()},
+                                "symm_mem_multicast_off": os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST")})
         if calls["fail_create"]:
             raise RuntimeError("cuMemCreate failed")
         # As the real one: the buffers' handles are exchanged over the group (the peers of a rank

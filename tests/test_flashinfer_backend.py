@@ -10,6 +10,7 @@ the arguments handed to FlashInfer (backend "trtllm" only, zero residual, Gemma 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from dataclasses import replace
@@ -230,6 +231,7 @@ def _worker(rank, world, init_file, out_dir):
     # Let the real op run this backend on CPU tensors.
     backend.capabilities = replace(backend.capabilities, device_types=frozenset({"cpu"}))
     backend.unavailable = lambda device: None
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "0"  # the process's own choice: to be left as it is
     results = {}
 
     def scenario(name, group):
@@ -282,6 +284,7 @@ def _worker(rank, world, init_file, out_dir):
                                 2, group.group_name)
         declined = backend.prepare(later)
         result.update(creates=list(calls["create"]), fusion=list(calls["fusion"]),
+                      multicast_env_after=os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST"),
                       dispatch=arfusion.stats()["dispatch"], group=group.group_name,
                       failed=backend._groups.current(group.group_name).failed,
                       declined=declined and declined.code.value, declined_message=declined and declined.message)
@@ -503,6 +506,9 @@ def test_workspace_created_once_per_group_reused_and_grown(two_rank_results):
         assert all(c["group"] == "0" and c["world_size"] == 2 and c["rank"] == rank
                    and c["hidden_dim"] == 64 for c in creates)
         assert [c["max_token_num"] for c in creates] == [1024, 4096]
+        # torch's symmetric memory without NVLink multicast while FlashInfer allocates, then the
+        # process's own setting again.
+        assert all(c["symm_mem_multicast_off"] == "1" for c in creates) and result["multicast_env_after"] == "0"
         assert result["retired"] == 1  # kept alive: captured graphs may still point into it
         fusion = {f["tokens"]: f for f in result["fusion"] if f["pattern"] != 0}
         assert all(f["pattern"] == 1 and f["fp32_acc"] is True and f["rms_eps"] == 1e-6
@@ -565,7 +571,7 @@ def test_failure_on_one_rank_makes_every_rank_fall_back(two_rank_results, name):
     if name in ("fail_build", "low_memory"):
         assert all(r["creates"] == [] for r in results)  # agreement came before creation
     else:  # rank 1 raised inside FlashInfer's creation; rank 0, in the handle exchange, gave up on it
-        assert len(results[0]["creates"]) == 1
+        assert len(results[0]["creates"]) == 1 and all(r["multicast_env_after"] == "0" for r in results)
         assert "did not reach FlashInfer's handle exchange" in results[0]["failed"], results[0]["failed"]
         assert "cuMemCreate" in results[1]["failed"]  # the library's own error, passed on
     if name == "low_memory":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import types
 
@@ -407,9 +408,13 @@ def _fallback_when_missing(rank, out):
         backend = FlashInferBackend()
         raising = backend.prepare_codec(c, "fp8")
         out["raising"] = [raising and raising.code.value, calls]
-        sys.modules[name] = types.SimpleNamespace(quantized_all_reduce=lambda inp, group, output=None: output)
+        # torch's symmetric memory setting before, while FlashInfer makes its buffer, and after.
+        seen = [os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST")]
+        sys.modules[name] = types.SimpleNamespace(quantized_all_reduce=lambda inp, group, output=None: seen.append(
+            os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST")) or output)
         backend = FlashInferBackend()
         out["ok"] = [backend.prepare_codec(c, "fp8"), backend._codecs[c.group_name].ready]
+        out["multicast_env"] = [*seen, os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST")]
     finally:
         if saved is None:
             sys.modules.pop(name, None)
@@ -479,3 +484,5 @@ def test_missing_library_or_symmetric_memory_falls_back_on_every_rank(results):
         assert code == "runtime"  # raising on rank 0 only: both decline
         assert calls == [dispatch.QUANTIZED_MAX_BYTES // 2]  # one warm-up at the largest size
         assert r["ok"] == [None, True]
+        before, during, after = r["multicast_env"]
+        assert during == "1" and after == before  # never NVLink multicast; the process's setting kept

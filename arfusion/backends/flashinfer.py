@@ -9,9 +9,8 @@ workspace. The MoE finalize kernel is in flashinfer_moe.py, the quantized all-re
 flashinfer_codec.py, the ranks' set-up agreement in flashinfer_exchange.py.
 
 Built on `flashinfer.comm` (flashinfer-python 0.7.2.post1): `create_allreduce_fusion_workspace`,
-always with backend="trtllm" ("auto" would pick "mnnvl" on NVSwitch machines, which uses NVLink
-multicast: not allowed on shared machines and not needed on one node), and its kernel call
-(flashinfer_kernel.py).
+always with backend="trtllm" ("auto" would pick "mnnvl", NVLink multicast, on NVSwitch machines;
+never multicast: see flashinfer_exchange.py), and its kernel call (flashinfer_kernel.py).
 
 The per-group workspace lives inside the op, at run time (a warm FX-graph cache skips the pass):
   * made on the first eager call that wants it, never during capture (a capture without one declines);
@@ -264,10 +263,11 @@ class FlashInferBackend(MoEFinalize, QuantizedAllReduce, Backend):
         workspace, error = None, None
         try:
             fic = importlib.import_module("flashinfer.comm")
-            workspace = fic.create_allreduce_fusion_workspace(
-                backend=FI_BACKEND, world_size=group.size(), rank=group.rank(),
-                max_token_num=max_tokens, hidden_dim=call.hidden, dtype=call.dtype, group=group,
-                comm_backend=exchange.exchange_backend(group, call.group_name))
+            with exchange.unicast_symmetric_memory():
+                workspace = fic.create_allreduce_fusion_workspace(
+                    backend=FI_BACKEND, world_size=group.size(), rank=group.rank(),
+                    max_token_num=max_tokens, hidden_dim=call.hidden, dtype=call.dtype, group=group,
+                    comm_backend=exchange.exchange_backend(group, call.group_name))
         except Exception as e:  # reported below, after every rank has said how it went
             error = f"{type(e).__name__}: {e}"
         if not all_ranks_agree(error is None, group, comm_dev):

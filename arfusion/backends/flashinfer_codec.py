@@ -16,7 +16,7 @@ from .. import runtime
 from ..decisions import Reason, Why
 from ..core import Call
 from ..runtime import all_ranks_agree, comm_device, outside_graph_pools
-from . import flashinfer_dispatch as dispatch
+from . import flashinfer_dispatch as dispatch, flashinfer_exchange as exchange
 from .base import over_cap
 
 log = logging.getLogger("arfusion")
@@ -82,7 +82,8 @@ class QuantizedAllReduce:
             return state.failed
         try:
             warm = torch.zeros(dispatch.QUANTIZED_MAX_BYTES // 2, dtype=torch.bfloat16, device=call.device)
-            module.quantized_all_reduce(warm, group, output=torch.empty_like(warm))
+            with exchange.unicast_symmetric_memory():  # its one symmetric buffer is made here
+                module.quantized_all_reduce(warm, group, output=torch.empty_like(warm))
             del warm
         except Exception as e:  # e.g. no symmetric memory (no NVSwitch / P2P): every rank learns below
             problem = f"FlashInfer quantized all-reduce set-up failed: {type(e).__name__}: {e}"

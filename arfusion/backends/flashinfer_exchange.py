@@ -1,12 +1,15 @@
 """FlashInfer's workspace set-up across the ranks of a group: every rank's verdict on whether the
-group can use FlashInfer (same host, one GPU each, same GPU model and dispatch tables, P2P), and
+group can use FlashInfer (same host, one GPU each, same GPU model and dispatch tables, P2P),
 FlashInfer's handle exchange with an arrival check before each of its collectives, so that a
-rank that failed early leaves its peers an error instead of a wait."""
+rank that failed early leaves its peers an error instead of a wait, and symmetric memory without
+NVLink multicast while FlashInfer allocates."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
 from datetime import timedelta
 
 import torch
@@ -18,6 +21,30 @@ from . import flashinfer_dispatch as dispatch
 FACTS = ("host", "device_uuid", "sm", "table")
 
 _exchanges: dict[str, int] = {}  # workspace creations per group name: the same count on every rank
+
+# torch's CUDA symmetric memory binds an NVLink multicast object to each buffer at its rendezvous
+# wherever the GPU supports one (NVSwitch H100/H200), unless this variable is set; torch reads it at
+# every rendezvous (device_has_multicast_support in
+# torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryUtils.cpp). FlashInfer rendezvous there for
+# the quantized all-reduce's buffer (flashinfer/comm/quantized_allreduce.py, _get_buf; 0.7.2.post1
+# and 0.7.4) and, under confidential computing, for the fusion workspace. Its kernels read and write
+# the peers' buffers through their unicast pointers only: multicast buys nothing there.
+NO_SYMM_MEM_MULTICAST = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
+
+
+@contextlib.contextmanager
+def unicast_symmetric_memory():
+    """NO_SYMM_MEM_MULTICAST set to "1" while FlashInfer allocates, then as it was (also on error):
+    arfusion never makes an NVLink multicast object, and leaves the process's setting alone."""
+    before = os.environ.get(NO_SYMM_MEM_MULTICAST)
+    os.environ[NO_SYMM_MEM_MULTICAST] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NO_SYMM_MEM_MULTICAST, None)
+        else:
+            os.environ[NO_SYMM_MEM_MULTICAST] = before
 
 
 @functools.cache
