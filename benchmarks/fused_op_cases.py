@@ -138,7 +138,7 @@ def finish(rank, backend, table, path):
 
 
 # FlashInfer's quantized_all_reduce picks its knobs from the message size alone (0.7.2.post1's
-# _select_params: block 4096, 132 blocks, 16 warps, P2P phase 3 from 32 MiB). None of them changes
+# _select_params: block 4096 up to 64 MiB, 132 blocks above 1 MiB, 16 warps, P2P phase 3 from 32 MiB). None of them changes
 # the error (the scale group, 256 elements, stays); the block size moves results within it (2.6e-2
 # relative in every setting on 2xH200, 2026-11-28). Their names and values: dispatch.CODEC_KNOBS.
 

@@ -187,7 +187,11 @@ def install_fake_flashinfer():
                              or not isinstance(workspace_ptrs, torch.Tensor) and w.workspace_tensor == workspace_ptrs)
         else:
             workspace = workspaces[id(metadata)]
-            assert metadata["tp_size"] == world_size and token_num <= metadata["max_token_num"]
+            # As check_trtllm_allreduce_fusion_workspace_metadata (0.7.2.post1 and 0.7.4): capacity
+            # in elements, and the Lamport buffers' dtype.
+            assert metadata["tp_size"] == world_size
+            assert token_num * hidden_dim <= metadata["max_token_num"] * metadata["hidden_dim"]
+            assert metadata["use_fp32_lamport"] == (allreduce_in.dtype == torch.float32)
         assert not workspace.destroyed, "a kernel call on a destroyed workspace"
         assert (world_size, world_rank) == (workspace.world_size, workspace.rank)
         assert workspace_ptrs is workspace.workspace_tensor or workspace_ptrs == workspace.workspace_tensor

@@ -18,7 +18,8 @@ from fused_op_report import format_codec_table  # noqa: E402
 
 sys.path.remove(str(BENCH))
 
-# flashinfer.comm.quantized_allreduce._select_params (0.7.2.post1) for 1-64 MiB of bf16 per rank
+# flashinfer.comm.quantized_allreduce._select_params (0.7.2.post1, 0.7.4) above 1 MiB and below 32 MiB of
+# bf16 per rank (48 blocks up to 1 MiB, P2P phase 3 from 32 MiB)
 FLASHINFER_OWN = {"block_size": 4096, "max_num_blocks": 132, "num_warps": 16, "p2p_phase3": False}
 
 

@@ -184,7 +184,7 @@ QUANTIZED_MIN_MIB: dict[tuple[int, int], dict[str, float]] = {(9, 2): {"fp8": 8}
 # the symmetric buffer (about half of it: one byte per element plus scales).
 QUANTIZED_MAX_BYTES = 64 * MiB
 # FlashInfer's launch knobs for that call where other ones were measured faster than its own choice
-# (`_select_params`, 0.7.2.post1: 4096-element blocks below 64 MiB, P2P phase 3 from 32 MiB):
+# (`_select_params`, 0.7.2.post1: 4096-element blocks up to 64 MiB, P2P phase 3 from 32 MiB):
 # (SM major, world size) -> ((from MiB per rank, knobs), ...) ascending; a message takes the last
 # entry it reaches, up to QUANTIZED_MAX_BYTES, and one below the first keeps FlashInfer's knobs. The
 # scale group (256 elements) is not a knob: the error stays (2.6e-2 in every setting). SM90 world 2,
