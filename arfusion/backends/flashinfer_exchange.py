@@ -23,9 +23,9 @@ FACTS = ("host", "device_uuid", "sm", "table")
 _exchanges: dict[str, int] = {}  # workspace creations per group name: the same count on every rank
 
 # torch's CUDA symmetric memory binds an NVLink multicast object to each buffer at its rendezvous
-# wherever the GPU supports one (NVSwitch H100/H200), unless this variable is set; torch reads it at
-# every rendezvous (device_has_multicast_support in
-# torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemoryUtils.cpp). FlashInfer rendezvous there for
+# wherever the GPU supports one (NVSwitch H100/H200), unless this variable is set: at every
+# rendezvous each rank reads it (device_has_multicast_support, torch/csrc/distributed/c10d/symm_mem/)
+# and the group makes one only if every rank may. FlashInfer rendezvous there for
 # the quantized all-reduce's buffer (flashinfer/comm/quantized_allreduce.py, _get_buf; 0.7.2.post1
 # and 0.7.4) and, under confidential computing, for the fusion workspace. Its kernels read and write
 # the peers' buffers through their unicast pointers only: multicast buys nothing there.
