@@ -116,10 +116,6 @@ def test_check_gives_the_coverage_sweeps_verdict(model_type, tmp_path):
     """`arfusion check <directory with the checkpoint's config.json>`, as a user runs it."""
     import transformers
 
-    swept_on = {json.loads(p.read_text())["meta"]["transformers"] for p in COVERAGE.values()}
-    if swept_on != {transformers.__version__}:
-        pytest.skip(f"the committed sweeps ran on transformers {', '.join(sorted(swept_on))}, this is "
-                    f"{transformers.__version__}: its model code may differ")
     path = _write_config(model_type, tmp_path / "model")
     out = tmp_path / "check.json"
     cpu0, wall0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
@@ -134,6 +130,12 @@ def test_check_gives_the_coverage_sweeps_verdict(model_type, tmp_path):
     assert f"hidden {MODELS[model_type][1]['hidden_size']}" in lines[0] and ": 2 of " in lines[0]
     by_ep = experts_need_expert_parallel(transformers.AutoConfig.for_model(model_type))  # DeepSeek on >= 5.25
     assert ("experts sharded by expert parallelism over the 2 ranks" in lines[0]) == by_ep, lines[0]
+    # What a user sees is checked on any transformers; the rows only against the release the
+    # committed sweeps ran on (another release's model code may differ).
+    swept_on = {json.loads(p.read_text())["meta"]["transformers"] for p in COVERAGE.values()}
+    if swept_on != {transformers.__version__}:
+        pytest.skip(f"the committed sweeps ran on transformers {', '.join(sorted(swept_on))}, this is "
+                    f"{transformers.__version__}: the CLI ran cleanly, its rows are not compared")
     for report in result["reports"]:
         want = _expected(model_type, report["tokens"])
         got = {k: report[k] for k in want}
