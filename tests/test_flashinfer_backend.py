@@ -4,7 +4,8 @@ GPU, no FlashInfer).
 Covers: dispatch-table lookups at their boundaries, the tuned cache, every guard, the
 crossover derivation of `arfusion tune`, and (in two gloo processes) the workspace lifecycle:
 collective agreement, reuse, growth, failure on one rank, capture without a workspace, and
-the arguments handed to FlashInfer (backend "trtllm" only, zero residual, Gemma bias, ...).
+the arguments handed to FlashInfer (backend "trtllm" only, zero residual, Gemma bias, ...), and
+torch's symmetric memory kept from NVLink multicast while FlashInfer allocates.
 """
 
 from __future__ import annotations
