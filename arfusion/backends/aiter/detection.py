@@ -60,7 +60,7 @@ def _params(cls: Any, method: str) -> frozenset[str]:
         return frozenset()
 
 
-_VERSION = re.compile(r"v?(\d+(?:\.\d+)*)(?:\.?post(\d+))?(\.?dev\d+)?(?:\+.*)?")
+_VERSION = re.compile(r"v?(\d+(?:\.\d+)*)(?:\.?post(\d+))?(?:\.?dev(\d+))?(?:\+.*)?")
 
 
 def _version_key(version: str) -> tuple | None:
@@ -72,9 +72,8 @@ def _version_key(version: str) -> tuple | None:
     release = tuple(int(n) for n in m.group(1).split("."))
     release += (0,) * (4 - len(release))
     post = int(m.group(2)) if m.group(2) else -1
-    dev = int(m.group(3).lstrip(".dev")) if m.group(3) else None
     # (release, post, 0, n) for a dev release sorts before (release, post, 1, 0), the release.
-    return release, post, 0 if dev is not None else 1, dev or 0
+    return release, post, *((0, int(m.group(3))) if m.group(3) else (1, 0))
 
 
 def has_one_stage_barrier(version: str) -> bool:
