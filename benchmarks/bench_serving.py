@@ -210,7 +210,9 @@ def main() -> int:
                    help="every call of the pass's ops above its cap: the run-time fallback (see above)")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--profile-host", action="store_true",
-                   help="one more call of the smallest mix per config under cProfile (host_profile_CONFIG_rankR.txt)")
+                   help="one more call per config under cProfile (host_profile_CONFIG_rankR.txt)")
+    p.add_argument("--profile-requests", type=int, default=0, metavar="N",
+                   help="requests of the --profile-host call (0: the smallest mix)")
     p.add_argument("--profile-kernels", action="store_true",
                    help="one more call of the largest mix per config under torch.profiler: where the device time "
                         "goes (kernels_CONFIG_rankR.txt; the top 10 in the JSON)")
@@ -327,7 +329,8 @@ def main() -> int:
         threads = sorted(t.name for t in threading.enumerate())  # after the timed calls, the manager kept
         if args.profile_host:
             with host_profile(Path(args.out, f"host_profile_{name}_rank{rank}.txt")):
-                generate_batch(model, prompts(min(mixes), PROFILED), args.new, config=passes[name],
+                profiled_requests = args.profile_requests or min(mixes)
+                generate_batch(model, prompts(profiled_requests, PROFILED), args.new, config=passes[name],
                                cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
         profiled = {}
         if args.profile_kernels:
