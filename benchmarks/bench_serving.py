@@ -76,8 +76,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests" / "gpu")]
 from common import (HOST_PATHS_NEED_FAKE_WORLD, add_host_path_args, flashinfer_host_path_only,  # noqa: E402
                     log_arfusion_info, no_multicast, save_json)
 from decode_model import init_world, model_config, random_checkpoint  # noqa: E402
-from serving_probes import (GcPauses, graph_work, host_profile, kernel_profile, record_steps,  # noqa: E402
-                            step_summary)
+from serving_probes import (GcPauses, HostUse, graph_work, host_probe_us, host_profile,  # noqa: E402
+                            kernel_profile, record_steps, step_summary)
 
 import arfusion  # noqa: E402
 from arfusion.hf import prepare_for_compile, tp_kwargs  # noqa: E402
@@ -310,12 +310,14 @@ def main() -> int:
                 steps.clear()
                 pauses.reset()
                 index = next(made)
+                use = HostUse()  # the generation thread's CPU shows as the busiest other thread
                 run = generate_batch(model, prompts(requests, index), args.new, config=passes[name],
                                      cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
+                host = dict(use.since(), probe_us=host_probe_us(device))  # a slow host, whatever ran
                 runs.setdefault((name, requests), run)  # each config's first: the same prompts
                 admitted, last = call_window(run.outputs)
                 return dict(serving_metrics(run.outputs), seconds=run.seconds, steps=step_summary(steps, admitted),
-                            gc=pauses.summary(admitted, last))
+                            gc=pauses.summary(admitted, last), host=host)
 
             calls, excluded = steady_calls(call, args.repeats)
             row = result["mixes"].setdefault(str(requests), {})
