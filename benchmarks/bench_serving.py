@@ -36,6 +36,11 @@ barrier, as in a server whose generation loop never stops. Greedy tokens of "on"
 identical up to the first step where the model's two best logits are within bf16 rounding
 (arfusion.testing.greedy_departures).
 
+--interleave: a model per config in one process, each keeping its manager; the timed calls alternate
+(off on, on off, ...), so a slow stretch of the host (shared machines run up to 2x slower for seconds)
+hits both configs; each row then also holds on / off per round (`pairs`). Every timed call records the
+host's CPU use and a fixed host probe after it (`host`).
+
 --profile-host: one more call under cProfile (the generation thread's host time). --profile-kernels:
 one more call of the largest mix under torch.profiler (where the GPU time goes: attention, matmuls,
 copies, all-reduces), after the timed rows are saved.
@@ -56,9 +61,9 @@ one GPU times that path's host and device work against "off" (the all-reduces, n
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
-import itertools
 import json
 import logging
 import os
@@ -149,6 +154,52 @@ def steady_calls(call, repeats: int) -> tuple[list[dict], list[dict]]:
     return steady, excluded
 
 
+def interleaved_calls(calls: dict, repeats: int) -> dict:
+    """{config: (steady calls, excluded calls)}: rounds of one call of each config in `calls`,
+    in turn (A B, then B A, ...), until each config has `repeats` steady calls or 2 x repeats
+    rounds were made. Each call carries its `round`; a slow stretch of the host hits neighbours."""
+    kept = {name: ([], []) for name in calls}
+    names = list(calls)
+    for made in range(2 * repeats):
+        if all(len(steady) >= repeats for steady, _ in kept.values()):
+            break
+        for name in names if made % 2 == 0 else names[::-1]:
+            with graph_work() as work:
+                metrics = calls[name]()
+            kept[name][bool(work["captured"] or work["compiled"])].append({**metrics, **work, "round": made})
+    return kept
+
+
+def pair_ratios(on: list[dict], off: list[dict], key: str) -> list[float]:
+    """on / off of `key` for each round both configs' calls were steady in (interleaved calls)."""
+    offs = {c["round"]: c[key] for c in off if "round" in c}
+    return [round(c[key] / offs[c["round"]], 4) for c in on if c.get("round") in offs]
+
+
+DICT_STATS = ("dispatch", "dispatch_in_cuda_graphs", "eager_in_cuda_graphs", "split_by_graph_breaks")
+STATS_KEPT = ("fused_sites", "graphs") + DICT_STATS
+
+
+def add_stats(total: dict, more: dict) -> dict:
+    """`arfusion.stats()` counters summed: numbers add, dicts of counts add key by key."""
+    out = dict(total)
+    for key, value in more.items():
+        if isinstance(value, dict):
+            out[key] = dict(collections.Counter(out.get(key, {})) + collections.Counter(value))
+        elif isinstance(value, (int, float)):
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+def cache_sizes(model) -> dict:
+    """num_blocks and max_batch_tokens of the cache of `model`'s kept continuous-batching manager
+    (what transformers chose from free memory), or {} where this transformers keeps them elsewhere."""
+    manager = getattr(model, "_cached_continuous_batching_manager", None)
+    cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+    sizes = {k: getattr(cache, k, None) for k in ("num_blocks", "max_batch_tokens")}
+    return {k: int(v) for k, v in sizes.items() if isinstance(v, int)}
+
+
 def prompts_for(requests: int, length: int, vocab: int, call: int = 0) -> list[list[int]]:
     """`requests` random prompts, new for each `call` (the same in every config): transformers shares
     KV blocks between requests with a common prefix, so a call repeating an earlier call's prompts
@@ -194,6 +245,10 @@ def main() -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="timed calls per mix and config")
     p.add_argument("--configs", default="off,on")
+    p.add_argument("--interleave", action="store_true",
+                   help="a model per config, each with its manager kept; the timed calls alternate A B, B A, ... "
+                        "(one process, twice the weights; each cache takes half of --max-memory-percent, the second "
+                        "gets the first's sizes)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--max-memory-percent", type=float, default=0.5, help="of free GPU memory for the KV cache")
     p.add_argument("--kv-padding", type=int, default=0, metavar="TOKENS",
@@ -227,6 +282,8 @@ def main() -> int:
     p.add_argument("--out", default="results")
     args = p.parse_args()
     args.rank_of, args.argv = 0, sys.argv[1:]
+    if args.interleave and len(args.configs.split(",")) != 2:
+        p.error("--interleave alternates two configs: --configs off,on or on,off")
     if (args.flashinfer_host_path or args.nccl_host_path) and not args.fake_world:
         p.error(HOST_PATHS_NEED_FAKE_WORLD)
     no_multicast()
@@ -267,6 +324,8 @@ def main() -> int:
     cb = {"max_memory_percent": args.max_memory_percent} if cuda else {}
     if cuda:
         cb.update(num_blocks=None, max_batch_tokens=None)
+    if cuda and args.interleave:  # two caches of the same size: each takes half of the share
+        cb["max_memory_percent"] = args.max_memory_percent / 2
     if args.kv_padding:
         cb["kv_padding_interval_size"] = args.kv_padding
     result = {"meta": {"command": f"{'python' if args.fake_world else f'torchrun --nproc-per-node {world}'} "
@@ -290,71 +349,98 @@ def main() -> int:
     def prompts(requests: int, call: int = 0) -> list[list[int]]:
         return prompts_for(requests, args.prompt, config.vocab_size, call)
 
-    runs = {}
-    for name in args.configs.split(","):
-        # Over gloo (--shared-gpu) Inductor alone leaves gloo all-reduces, which cannot be captured.
-        graphs = args.cuda_graphs and not (args.shared_gpu and name == "off")
-        arfusion.reset_stats()
+    names = args.configs.split(",")
+    models = {name: model for name in names}
+    if args.interleave:  # a model each: each keeps its own manager (graphs, cache), so calls can alternate
+        models[names[1]] = load(args, device)[1]
+    made = {}  # (config, requests): the counter of its timed calls' prompts (`prompts_for`'s call)
+    runs, totals = {}, {name: {} for name in names}
+
+    def generate(name, requests, index, **kw):
+        run = generate_batch(models[name], prompts(requests, index), args.new, config=passes[name],
+                             cuda_graphs=graphs[name], record_timestamps=True, persistent=True, **cb, **kw)
+        totals[name] = add_stats(totals[name], run.report.stats)
+        return run
+
+    def first_call(name):
         # One manager per config, kept across calls as a server keeps it: the first call (the largest
         # mix) compiles, captures and sizes it; the timed calls reuse its graphs and cache.
-        first = generate_batch(model, prompts(max(mixes)), args.new, config=passes[name], cuda_graphs=graphs,
-                               record_timestamps=True, persistent=True, **cb)
+        first = generate(name, max(mixes), 0)
         say(f"{name}: first call (compile, CUDA-graph capture, {max(mixes)} requests) {first.seconds:.1f}s")
-        for requests in mixes:
-            made = itertools.count(1)  # each timed call's prompts (`prompts_for`'s call)
+        return first.seconds
 
-            def call(requests=requests):
-                # A rank other than 0 returns from a call up to 1 s after rank 0 (it polls for the end) and
-                # starts its loop only in the next; rank 0's new requests would wait for it: start together.
-                dist.barrier()
-                steps.clear()
-                pauses.reset()
-                index = next(made)
-                use = HostUse()  # the generation thread's CPU shows as the busiest other thread
-                run = generate_batch(model, prompts(requests, index), args.new, config=passes[name],
-                                     cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
-                host = dict(use.since(), probe_us=host_probe_us(device))  # a slow host, whatever ran
-                runs.setdefault((name, requests), run)  # each config's first: the same prompts
-                admitted, last = call_window(run.outputs)
-                return dict(serving_metrics(run.outputs), seconds=run.seconds, steps=step_summary(steps, admitted),
-                            gc=pauses.summary(admitted, last), host=host)
+    def timed_call(name, requests):
+        # A rank other than 0 returns from a call up to 1 s after rank 0 (it polls for the end) and
+        # starts its loop only in the next; rank 0's new requests would wait for it: start together.
+        dist.barrier()
+        steps.clear()
+        pauses.reset()
+        index = made[(name, requests)] = made.get((name, requests), 0) + 1
+        use = HostUse()  # the generation thread's CPU shows as the busiest other thread
+        run = generate(name, requests, index)
+        host = dict(use.since(), probe_us=host_probe_us(device))  # a slow host, whatever ran
+        runs.setdefault((name, requests), run)  # each config's first: the same prompts
+        admitted, last = call_window(run.outputs)
+        return dict(serving_metrics(run.outputs), seconds=run.seconds, steps=step_summary(steps, admitted),
+                    gc=pauses.summary(admitted, last), host=host, at_s=round(time.perf_counter() - began, 3))
 
-            calls, excluded = steady_calls(call, args.repeats)
-            row = result["mixes"].setdefault(str(requests), {})
-            kept = calls or excluded  # none steady: the medians of all, said so
-            row[name] = {k: statistics.median(c[k] for c in kept) for k in ("ttft_ms", "itl_ms", "itl_p90_ms",
-                                                                            "tokens_per_s", "new_tokens", "seconds")}
-            row[name].update(calls=calls, excluded_calls=excluded, cuda_graphs=graphs, steady=bool(calls))
-            say(f"{requests} requests, {name}: " + ", ".join(f"{k} {row[name][k]:.3g}" for k in
-                                                             ("ttft_ms", "itl_ms", "itl_p90_ms", "tokens_per_s"))
-                + f" ({len(calls)} steady calls, {len(excluded)} excluded: graphs captured or compiled)")
+    def record(name, requests, calls, excluded):
+        row = result["mixes"].setdefault(str(requests), {})
+        kept = calls or excluded  # none steady: the medians of all, said so
+        row[name] = {k: statistics.median(c[k] for c in kept) for k in ("ttft_ms", "itl_ms", "itl_p90_ms",
+                                                                        "tokens_per_s", "new_tokens", "seconds")}
+        row[name].update(calls=calls, excluded_calls=excluded, cuda_graphs=graphs[name], steady=bool(calls))
+        say(f"{requests} requests, {name}: " + ", ".join(f"{k} {row[name][k]:.3g}" for k in
+                                                         ("ttft_ms", "itl_ms", "itl_p90_ms", "tokens_per_s"))
+            + f" ({len(calls)} steady calls, {len(excluded)} excluded: graphs captured or compiled)")
+
+    def finish(name, first_s):
         threads = sorted(t.name for t in threading.enumerate())  # after the timed calls, the manager kept
         if args.profile_host:
             with host_profile(Path(args.out, f"host_profile_{name}_rank{rank}.txt")):
-                profiled_requests = args.profile_requests or min(mixes)
-                generate_batch(model, prompts(profiled_requests, PROFILED), args.new, config=passes[name],
-                               cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
+                generate(name, args.profile_requests or min(mixes), PROFILED)
         profiled = {}
         if args.profile_kernels:
             if rank == 0:  # the timed rows first: a profiled call that never returns keeps them
                 save_json(str(out), result)
             trace = Path(args.out, f"trace_{name}_rank{rank}.json.gz") if args.trace else None
             with kernel_profile(Path(args.out, f"kernels_{name}_rank{rank}.txt"), device, profiled, trace):
-                generate_batch(model, prompts(max(mixes), PROFILED), args.new, config=passes[name],
-                               cuda_graphs=graphs, record_timestamps=True, persistent=True, **cb)
-        model.destroy_cached_continuous_batching_manager()
+                generate(name, max(mixes), PROFILED)
+        models[name].destroy_cached_continuous_batching_manager()
         # Its CUDA-graph pool goes now, not in a garbage collection during the next capture (torch 2.11 aborts).
         gc.collect()
-        stats = arfusion.stats()
-        result["configs"][name] = {"first_call_s": first.seconds, "fused_sites": stats["fused_sites"],
-                                   "dispatch": stats["dispatch"], "dispatch_in_cuda_graphs": stats["dispatch_in_cuda_graphs"],
-                                   "eager_in_cuda_graphs": stats["eager_in_cuda_graphs"],
-                                   "split_by_graph_breaks": stats["split_by_graph_breaks"], "graphs": stats["graphs"],
-                                   "python_threads": threads, **profiled}
-        if stats["eager_in_cuda_graphs"]:  # each replays eagerly: timings of this config are not the pass's
-            say(f"{name}: ran eagerly inside CUDA-graph captures: {stats['eager_in_cuda_graphs']} (--log-info says why)")
+        stats = totals[name]
+        result["configs"][name] = {"first_call_s": first_s, "python_threads": threads, **profiled,
+                                   **{k: stats.get(k, {} if k in DICT_STATS else 0) for k in STATS_KEPT}}
+        if stats.get("eager_in_cuda_graphs"):  # each replays eagerly: this config's timings are not the pass's
+            eager = stats["eager_in_cuda_graphs"]
+            say(f"{name}: ran eagerly inside CUDA-graph captures: {eager} (--log-info says why)")
         if rank == 0:
             save_json(str(out), result)
+
+    # Over gloo (--shared-gpu) Inductor alone leaves gloo all-reduces, which cannot be captured.
+    graphs = {name: args.cuda_graphs and not (args.shared_gpu and name == "off") for name in names}
+    began = time.perf_counter()
+    if not args.interleave:
+        for name in names:
+            first_s = first_call(name)
+            for requests in mixes:
+                record(name, requests, *steady_calls(lambda: timed_call(name, requests), args.repeats))
+            finish(name, first_s)
+    else:
+        first_s = {}
+        for name in names:
+            first_s[name] = first_call(name)
+            if cuda and not cb.get("num_blocks"):  # the second manager gets the first's cache, not what is left
+                cb.update(cache_sizes(models[name]))
+                result["meta"]["cache"] = cache_sizes(models[name])
+        for requests in mixes:
+            kept = interleaved_calls({name: (lambda name=name: timed_call(name, requests)) for name in names},
+                                     args.repeats)
+            for name in names:
+                record(name, requests, *kept[name])
+        for name in names:
+            finish(name, first_s[name])
     for requests in mixes:
         row = result["mixes"][str(requests)]
         if ("off", requests) in runs and ("on", requests) in runs:
@@ -362,6 +448,9 @@ def main() -> int:
             row["tokens"] = {"ok": all(d["ok"] for d in departures),
                              "departures": [d for d in departures if d["departs_at"] is not None]}
             row["on_over_off"] = {k: row["on"][k] / row["off"][k] for k in ("ttft_ms", "itl_ms", "tokens_per_s")}
+            if args.interleave:
+                row["pairs"] = {k: pair_ratios(row["on"]["calls"], row["off"]["calls"], k)
+                                for k in ("ttft_ms", "itl_ms", "tokens_per_s")}
             say(f"{requests} requests, on / off: " + ", ".join(f"{k} {v:.3f}" for k, v in row["on_over_off"].items())
                 + f"; tokens ok: {row['tokens']['ok']}")
     if one_rank is not None:

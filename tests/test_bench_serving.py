@@ -128,7 +128,7 @@ def test_fake_world_with_nccl_host_path_serves_off_and_on(tmp_path):
     here), counted in the JSON; both configs serve and give the same tokens."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--cpu", "--tiny",
                            "--fake-world", "2", "--nccl-host-path", "--mixes", "2", "--repeats", "1", "--prompt", "16",
-                           "--new", "4", "--log-info", "--out", str(tmp_path)],
+                           "--new", "4", "--log-info", "--interleave", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "serving_llama_w2_fake.json").read_text())
@@ -136,6 +136,39 @@ def test_fake_world_with_nccl_host_path_serves_off_and_on(tmp_path):
     assert result["configs"]["on"]["fused_sites"] > 0 and result["mixes"]["2"]["tokens"]["ok"]
     assert result["configs"]["on"]["eager_in_cuda_graphs"] == {}
     assert "[arfusion] arfusion: fused" in done.stderr  # --log-info: what the pass did, as it says it
+    row = result["mixes"]["2"]  # --interleave: a model per config, calls in rounds, on / off per round
+    assert [c["round"] for c in row["off"]["calls"] + row["on"]["calls"]] == [0, 0]
+    assert row["pairs"]["itl_ms"] == [pytest.approx(row["on"]["itl_ms"] / row["off"]["itl_ms"], rel=1e-3)]
+    assert result["configs"]["off"]["fused_sites"] == 0
+
+
+def test_interleaved_calls_alternate_and_pair_by_round(monkeypatch):
+    """Rounds run A B, B A, A B ...; a call that captured a CUDA graph is kept apart and its round
+    gets no ratio; rounds stop once each config has its steady calls."""
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda self, *a, **k: None)
+    order = []
+
+    def call(name, value):
+        def made():
+            order.append(name)
+            if name == "on" and order.count("on") == 1:  # its first call captures
+                torch.cuda.CUDAGraph.capture_begin(object())
+            return {"itl_ms": value}
+        return made
+
+    kept = bench_serving.interleaved_calls({"off": call("off", 10.0), "on": call("on", 8.0)}, 2)
+    assert order == ["off", "on", "on", "off", "off", "on"]
+    (off, off_excluded), (on, on_excluded) = kept["off"], kept["on"]
+    assert [c["round"] for c in off] == [0, 1, 2] and off_excluded == []  # a round is whole
+    assert [c["round"] for c in on] == [1, 2] and [c["round"] for c in on_excluded] == [0]
+    assert bench_serving.pair_ratios(on, off, "itl_ms") == [0.8, 0.8]  # round 0 has no steady "on"
+
+
+def test_stats_of_calls_add_up():
+    a = {"fused_sites": 4, "dispatch": {"fused": 3}, "graphs": 2, "note": "x"}
+    b = {"fused_sites": 0, "dispatch": {"fused": 1, "fallback": 2}, "graphs": 1}
+    assert bench_serving.add_stats(bench_serving.add_stats({}, a), b) == {
+        "fused_sites": 4, "dispatch": {"fused": 4, "fallback": 2}, "graphs": 3}
 
 
 def test_host_use_sees_a_busy_neighbour_and_page_faults():
