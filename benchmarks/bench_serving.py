@@ -393,6 +393,8 @@ def main() -> int:
         say(f"{requests} requests, {name}: " + ", ".join(f"{k} {row[name][k]:.3g}" for k in
                                                          ("ttft_ms", "itl_ms", "itl_p90_ms", "tokens_per_s"))
             + f" ({len(calls)} steady calls, {len(excluded)} excluded: graphs captured or compiled)")
+        if rank == 0:  # each row as it comes: a run cut short keeps what it measured
+            save_json(str(out), result)
 
     def finish(name, first_s):
         threads = sorted(t.name for t in threading.enumerate())  # after the timed calls, the manager kept
