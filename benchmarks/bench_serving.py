@@ -61,7 +61,6 @@ one GPU times that path's host and device work against "off" (the all-reduces, n
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import gc
 import json
@@ -81,8 +80,10 @@ sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests" / "gpu")]
 from common import (HOST_PATHS_NEED_FAKE_WORLD, add_host_path_args, flashinfer_host_path_only,  # noqa: E402
                     log_arfusion_info, no_multicast, save_json)
 from decode_model import init_world, model_config, random_checkpoint  # noqa: E402
-from serving_probes import (GcPauses, HostUse, graph_work, host_probe_us, host_profile,  # noqa: E402
-                            kernel_profile, record_steps, step_summary)
+from serving_calls import (DICT_STATS, STATS_KEPT, add_stats, call_window, interleaved_calls,  # noqa: E402
+                           pair_ratios, prompts_for, serving_metrics, steady_calls)
+from serving_probes import (GcPauses, HostUse, host_probe_us, host_profile, kernel_profile,  # noqa: E402
+                            record_steps, step_summary)
 
 import arfusion  # noqa: E402
 from arfusion.hf import prepare_for_compile, tp_kwargs  # noqa: E402
@@ -90,36 +91,6 @@ from arfusion.testing import fake_gloo_groups, generate_batch, greedy_departures
 
 CONFIGS = ("off", "on")
 PROFILED = 999  # the profiled calls' prompts (`prompts_for`'s call): new ones, as every timed call's
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def call_window(outputs: dict) -> tuple[float, float]:
-    """(first admission, last token) of one generate_batch call, over its requests with tokens."""
-    stamped = [o for o in outputs.values() if o.timestamps]
-    return min(o.created_time for o in stamped), max(o.timestamps[-1] for o in stamped)
-
-
-def serving_metrics(outputs: dict) -> dict:
-    """TTFT, ITL and throughput of one generate_batch call, from its per-token timestamps, and each
-    distinct first-token time from the first admission (`first_tokens_ms`)."""
-    ttft, gaps, tokens = [], [], 0
-    admitted, last = call_window(outputs)
-    firsts = set()
-    for out in outputs.values():
-        stamps = out.timestamps or []
-        if not stamps:
-            continue
-        ttft.append(stamps[0] - out.created_time)
-        gaps += [b - a for a, b in zip(stamps, stamps[1:])]
-        tokens += len(out.generated_tokens)
-        firsts.add(round(1e3 * (stamps[0] - admitted), 1))
-    return {"ttft_ms": 1e3 * statistics.median(ttft), "itl_ms": 1e3 * statistics.median(gaps),
-            "itl_p90_ms": 1e3 * percentile(gaps, 0.9), "tokens_per_s": tokens / (last - admitted),
-            "new_tokens": tokens, "first_tokens_ms": sorted(firsts)}
 
 
 def shorten_idle_wait(seconds: float) -> None:
@@ -143,54 +114,6 @@ def shorten_idle_wait(seconds: float) -> None:
     continuous_api.ContinuousBatchingManager.__init__ = init
 
 
-def steady_calls(call, repeats: int) -> tuple[list[dict], list[dict]]:
-    """(steady calls, excluded calls): `call()` until `repeats` calls captured no CUDA graph and
-    compiled nothing, or 2 x repeats were made; each call's metrics carry its graph work."""
-    steady, excluded = [], []
-    while len(steady) < repeats and len(steady) + len(excluded) < 2 * repeats:
-        with graph_work() as work:
-            metrics = call()
-        (excluded if work["captured"] or work["compiled"] else steady).append({**metrics, **work})
-    return steady, excluded
-
-
-def interleaved_calls(calls: dict, repeats: int) -> dict:
-    """{config: (steady calls, excluded calls)}: rounds of one call of each config in `calls`,
-    in turn (A B, then B A, ...), until each config has `repeats` steady calls or 2 x repeats
-    rounds were made. Each call carries its `round`; a slow stretch of the host hits neighbours."""
-    kept = {name: ([], []) for name in calls}
-    names = list(calls)
-    for made in range(2 * repeats):
-        if all(len(steady) >= repeats for steady, _ in kept.values()):
-            break
-        for name in names if made % 2 == 0 else names[::-1]:
-            with graph_work() as work:
-                metrics = calls[name]()
-            kept[name][bool(work["captured"] or work["compiled"])].append({**metrics, **work, "round": made})
-    return kept
-
-
-def pair_ratios(on: list[dict], off: list[dict], key: str) -> list[float]:
-    """on / off of `key` for each round both configs' calls were steady in (interleaved calls)."""
-    offs = {c["round"]: c[key] for c in off if "round" in c}
-    return [round(c[key] / offs[c["round"]], 4) for c in on if c.get("round") in offs]
-
-
-DICT_STATS = ("dispatch", "dispatch_in_cuda_graphs", "eager_in_cuda_graphs", "split_by_graph_breaks")
-STATS_KEPT = ("fused_sites", "graphs") + DICT_STATS
-
-
-def add_stats(total: dict, more: dict) -> dict:
-    """`arfusion.stats()` counters summed: numbers add, dicts of counts add key by key."""
-    out = dict(total)
-    for key, value in more.items():
-        if isinstance(value, dict):
-            out[key] = dict(collections.Counter(out.get(key, {})) + collections.Counter(value))
-        elif isinstance(value, (int, float)):
-            out[key] = out.get(key, 0) + value
-    return out
-
-
 def cache_sizes(model) -> dict:
     """num_blocks and max_batch_tokens of the cache of `model`'s kept continuous-batching manager
     (what transformers chose from free memory), or {} where this transformers keeps them elsewhere."""
@@ -198,14 +121,6 @@ def cache_sizes(model) -> dict:
     cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
     sizes = {k: getattr(cache, k, None) for k in ("num_blocks", "max_batch_tokens")}
     return {k: int(v) for k, v in sizes.items() if isinstance(v, int)}
-
-
-def prompts_for(requests: int, length: int, vocab: int, call: int = 0) -> list[list[int]]:
-    """`requests` random prompts, new for each `call` (the same in every config): transformers shares
-    KV blocks between requests with a common prefix, so a call repeating an earlier call's prompts
-    would find much of their prefill done (seen: 16,479 of 32,768 prompt tokens prefilled)."""
-    g = torch.Generator().manual_seed(1000 * requests + call)
-    return torch.randint(3, vocab, (requests, length), generator=g).tolist()
 
 
 def load(args, device):

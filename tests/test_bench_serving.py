@@ -1,5 +1,6 @@
-"""benchmarks/bench_serving.py: its serving metrics from per-token timestamps, which timed calls
-count (none that captured a CUDA graph or compiled), and a run on two gloo ranks."""
+"""benchmarks/bench_serving.py and its serving_calls.py: serving metrics from per-token timestamps,
+which timed calls count (none that captured a CUDA graph or compiled), calls in rounds, and runs on
+two gloo ranks and through the fake process group."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_serving  # noqa: E402
+import serving_calls  # noqa: E402
 
 sys.path.remove(str(ROOT / "benchmarks"))
 
@@ -23,15 +25,15 @@ sys.path.remove(str(ROOT / "benchmarks"))
 def test_every_call_gets_new_prompts_the_same_in_every_config():
     # transformers shares KV blocks of a common prefix: a call repeating an earlier one's prompts
     # would skip much of its prefill
-    a, b = bench_serving.prompts_for(4, 32, 1000, 1), bench_serving.prompts_for(4, 32, 1000, 2)
-    assert a == bench_serving.prompts_for(4, 32, 1000, 1) and len(a) == 4 and len(a[0]) == 32
+    a, b = serving_calls.prompts_for(4, 32, 1000, 1), serving_calls.prompts_for(4, 32, 1000, 2)
+    assert a == serving_calls.prompts_for(4, 32, 1000, 1) and len(a) == 4 and len(a[0]) == 32
     assert not {tuple(p) for p in a} & {tuple(p) for p in b}
 
 
 def test_metrics_from_timestamps():
     out = lambda created, stamps: types.SimpleNamespace(created_time=created, timestamps=stamps,  # noqa: E731
                                                         generated_tokens=[0] * len(stamps))
-    m = bench_serving.serving_metrics({"a": out(0.0, [0.1, 0.12, 0.14]), "b": out(0.05, [0.2, 0.23])})
+    m = serving_calls.serving_metrics({"a": out(0.0, [0.1, 0.12, 0.14]), "b": out(0.05, [0.2, 0.23])})
     assert m["ttft_ms"] == pytest.approx(125)  # median of 100 and 150
     assert m["itl_ms"] == pytest.approx(20) and m["itl_p90_ms"] == pytest.approx(30)
     assert m["tokens_per_s"] == pytest.approx(5 / 0.23) and m["new_tokens"] == 5
@@ -52,7 +54,7 @@ def test_calls_that_capture_or_compile_are_excluded_and_counted(monkeypatch):
             torch._dynamo.utils.counters["stats"]["unique_graphs"] += 1
         return {"ttft_ms": float(n)}
 
-    steady, excluded = bench_serving.steady_calls(call, 3)
+    steady, excluded = serving_calls.steady_calls(call, 3)
     assert [c["ttft_ms"] for c in steady] == [0.0, 2.0, 5.0]
     assert [(c["ttft_ms"], c["captured"], c["compiled"]) for c in excluded] == [(1.0, 1, 0), (3.0, 1, 0), (4.0, 0, 1)]
     made.clear()
@@ -62,7 +64,7 @@ def test_calls_that_capture_or_compile_are_excluded_and_counted(monkeypatch):
         torch.cuda.CUDAGraph.capture_begin(object())
         return {"ttft_ms": 1.0}
 
-    steady, excluded = bench_serving.steady_calls(always_capturing, 2)  # gives up after 2 x repeats
+    steady, excluded = serving_calls.steady_calls(always_capturing, 2)  # gives up after 2 x repeats
     assert steady == [] and len(excluded) == 4
 
 
@@ -156,18 +158,18 @@ def test_interleaved_calls_alternate_and_pair_by_round(monkeypatch):
             return {"itl_ms": value}
         return made
 
-    kept = bench_serving.interleaved_calls({"off": call("off", 10.0), "on": call("on", 8.0)}, 2)
+    kept = serving_calls.interleaved_calls({"off": call("off", 10.0), "on": call("on", 8.0)}, 2)
     assert order == ["off", "on", "on", "off", "off", "on"]
     (off, off_excluded), (on, on_excluded) = kept["off"], kept["on"]
     assert [c["round"] for c in off] == [0, 1, 2] and off_excluded == []  # a round is whole
     assert [c["round"] for c in on] == [1, 2] and [c["round"] for c in on_excluded] == [0]
-    assert bench_serving.pair_ratios(on, off, "itl_ms") == [0.8, 0.8]  # round 0 has no steady "on"
+    assert serving_calls.pair_ratios(on, off, "itl_ms") == [0.8, 0.8]  # round 0 has no steady "on"
 
 
 def test_stats_of_calls_add_up():
     a = {"fused_sites": 4, "dispatch": {"fused": 3}, "graphs": 2, "note": "x"}
     b = {"fused_sites": 0, "dispatch": {"fused": 1, "fallback": 2}, "graphs": 1}
-    assert bench_serving.add_stats(bench_serving.add_stats({}, a), b) == {
+    assert serving_calls.add_stats(serving_calls.add_stats({}, a), b) == {
         "fused_sites": 4, "dispatch": {"fused": 4, "fallback": 2}, "graphs": 3}
 
 
