@@ -299,6 +299,11 @@ def main() -> int:
         return dict(serving_metrics(run.outputs), seconds=run.seconds, steps=step_summary(steps, admitted),
                     gc=pauses.summary(admitted, last), host=host, at_s=round(time.perf_counter() - began, 3))
 
+    def any_rank(flag: bool) -> bool:  # every rank excludes the same calls (serving_calls.measured)
+        seen = torch.tensor([int(flag)], device=device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        return bool(seen.item())
+
     def record(name, requests, calls, excluded):
         row = result["mixes"].setdefault(str(requests), {})
         kept = calls or excluded  # none steady: the medians of all, said so
@@ -342,7 +347,7 @@ def main() -> int:
         for name in names:
             first_s = first_call(name)
             for requests in mixes:
-                record(name, requests, *steady_calls(lambda: timed_call(name, requests), args.repeats))
+                record(name, requests, *steady_calls(lambda: timed_call(name, requests), args.repeats, any_rank))
             finish(name, first_s)
     else:
         first_s = {}
@@ -353,7 +358,7 @@ def main() -> int:
                 result["meta"]["cache"] = cache_sizes(models[name])
         for requests in mixes:
             kept = interleaved_calls({name: (lambda name=name: timed_call(name, requests)) for name in names},
-                                     args.repeats)
+                                     args.repeats, any_rank)
             for name in names:
                 record(name, requests, *kept[name])
         for name in names:

@@ -43,18 +43,27 @@ def serving_metrics(outputs: dict) -> dict:
             "new_tokens": tokens, "first_tokens_ms": sorted(firsts)}
 
 
-def steady_calls(call, repeats: int) -> tuple[list[dict], list[dict]]:
-    """(steady calls, excluded calls): `call()` until `repeats` calls captured no CUDA graph and
-    compiled nothing, or 2 x repeats were made; each call's metrics carry its graph work."""
+def measured(call, any_rank=bool) -> tuple[dict, bool]:
+    """(`call()`'s metrics with its graph work, whether to exclude it): a call that captured a CUDA
+    graph or compiled is excluded; with TP, where it did so on `any_rank` (a function of this rank's
+    verdict), so that every rank keeps the same calls and makes as many (a rank making one call more
+    than its peers would wait for them for ever)."""
+    with graph_work() as work:
+        metrics = call()
+    return {**metrics, **work}, any_rank(bool(work["captured"] or work["compiled"]))
+
+
+def steady_calls(call, repeats: int, any_rank=bool) -> tuple[list[dict], list[dict]]:
+    """(steady calls, excluded calls): `call()` until `repeats` calls were not excluded (`measured`),
+    or 2 x repeats were made; each call's metrics carry its graph work."""
     steady, excluded = [], []
     while len(steady) < repeats and len(steady) + len(excluded) < 2 * repeats:
-        with graph_work() as work:
-            metrics = call()
-        (excluded if work["captured"] or work["compiled"] else steady).append({**metrics, **work})
+        metrics, drop = measured(call, any_rank)
+        (excluded if drop else steady).append(metrics)
     return steady, excluded
 
 
-def interleaved_calls(calls: dict, repeats: int) -> dict:
+def interleaved_calls(calls: dict, repeats: int, any_rank=bool) -> dict:
     """{config: (steady calls, excluded calls)}: rounds of one call of each config in `calls`,
     in turn (A B, then B A, ...), until each config has `repeats` steady calls or 2 x repeats
     rounds were made. Each call carries its `round`; a slow stretch of the host hits neighbours."""
@@ -64,9 +73,8 @@ def interleaved_calls(calls: dict, repeats: int) -> dict:
         if all(len(steady) >= repeats for steady, _ in kept.values()):
             break
         for name in names if made % 2 == 0 else names[::-1]:
-            with graph_work() as work:
-                metrics = calls[name]()
-            kept[name][bool(work["captured"] or work["compiled"])].append({**metrics, **work, "round": made})
+            metrics, drop = measured(calls[name], any_rank)
+            kept[name][drop].append({**metrics, "round": made})
     return kept
 
 

@@ -68,6 +68,22 @@ def test_calls_that_capture_or_compile_are_excluded_and_counted(monkeypatch):
     assert steady == [] and len(excluded) == 4
 
 
+def test_a_call_another_rank_excluded_is_excluded_here_too():
+    """With TP every rank must keep the same calls and make as many: the verdict goes through
+    `any_rank` (bench_serving: a MAX all-reduce), so a call steady here but not on a peer is excluded."""
+    peers = iter([True, False, False])  # the peer captured a graph in the first call
+    verdicts = []
+
+    def any_rank(flag):
+        verdicts.append(flag)
+        return flag or next(peers)
+
+    steady, excluded = serving_calls.steady_calls(lambda: {"ttft_ms": 1.0}, 2, any_rank)
+    assert verdicts == [False, False, False] and len(steady) == 2 and len(excluded) == 1
+    kept = serving_calls.interleaved_calls({"off": lambda: {}, "on": lambda: {}}, 1, lambda flag: True)
+    assert [len(e) for s, e in kept.values()] == [2, 2] and not any(s for s, e in kept.values())
+
+
 def test_an_idle_loop_waits_at_most_the_idle_wait(monkeypatch):
     """Every manager made after `shorten_idle_wait(s)` waits at most s for new requests, not 0.1 s;
     a wait without a timeout stays one."""
