@@ -26,7 +26,7 @@ between steps (`steps`), each distinct first-token time (`first_tokens_ms`) and 
 collections (`gc`): where a call's time went, on the host or on the GPU (serving_probes.py).
 The table holds the medians over the timed calls and the ratio on / off. A timed call in which
 transformers captured a CUDA graph (it records one per new padded size, also after the first
-call) or Dynamo compiled is excluded and kept apart (`excluded_calls`); calls are made until
+call) or Dynamo compiled, on any rank, is excluded and kept apart (`excluded_calls`); calls are made until
 --repeats steady ones or twice as many were made. With TP, ranks other than 0 look for new requests
 every 0.1 s when idle (transformers' generation loop), and rank 0's first step waits for them: a
 call's TTFT and tokens/s then vary by up to 100 ms in either config, more than the pass changes.
