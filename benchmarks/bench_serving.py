@@ -334,8 +334,7 @@ def main() -> int:
         stats = totals[name]
         result["configs"][name] = {"first_call_s": first_s, "python_threads": threads, **profiled,
                                    **{k: stats.get(k, {} if k in DICT_STATS else 0) for k in STATS_KEPT}}
-        if stats.get("eager_in_cuda_graphs"):  # each replays eagerly: this config's timings are not the pass's
-            eager = stats["eager_in_cuda_graphs"]
+        if eager := stats.get("eager_in_cuda_graphs"):  # each replays eagerly: this config's timings aren't the pass's
             say(f"{name}: ran eagerly inside CUDA-graph captures: {eager} (--log-info says why)")
         if rank == 0:
             save_json(str(out), result)
@@ -354,8 +353,8 @@ def main() -> int:
         for name in names:
             first_s[name] = first_call(name)
             if cuda and not cb.get("num_blocks"):  # the second manager gets the first's cache, not what is left
-                cb.update(cache_sizes(models[name]))
                 result["meta"]["cache"] = cache_sizes(models[name])
+                cb.update(result["meta"]["cache"])
         for requests in mixes:
             kept = interleaved_calls({name: (lambda name=name: timed_call(name, requests)) for name in names},
                                      args.repeats, any_rank)

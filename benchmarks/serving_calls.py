@@ -55,12 +55,9 @@ def measured(call, any_rank=bool) -> tuple[dict, bool]:
 
 def steady_calls(call, repeats: int, any_rank=bool) -> tuple[list[dict], list[dict]]:
     """(steady calls, excluded calls): `call()` until `repeats` calls were not excluded (`measured`),
-    or 2 x repeats were made; each call's metrics carry its graph work."""
-    steady, excluded = [], []
-    while len(steady) < repeats and len(steady) + len(excluded) < 2 * repeats:
-        metrics, drop = measured(call, any_rank)
-        (excluded if drop else steady).append(metrics)
-    return steady, excluded
+    or 2 x repeats were made (`interleaved_calls` of one config: each call's `round` is its index);
+    each call's metrics carry its graph work."""
+    return interleaved_calls({"": call}, repeats, any_rank)[""]
 
 
 def interleaved_calls(calls: dict, repeats: int, any_rank=bool) -> dict:
