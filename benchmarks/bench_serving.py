@@ -354,7 +354,9 @@ def main() -> int:
             first_s[name] = first_call(name)
             if cuda and not cb.get("num_blocks"):  # the second manager gets the first's cache, not what is left
                 result["meta"]["cache"] = cache_sizes(models[name])
-                cb.update(result["meta"]["cache"])
+                # transformers checks the given sizes against its share of the memory left now, which the
+                # first model and cache have shrunk: the whole share of what is left holds the same cache
+                cb.update(result["meta"]["cache"], max_memory_percent=args.max_memory_percent)
         for requests in mixes:
             kept = interleaved_calls({name: (lambda name=name: timed_call(name, requests)) for name in names},
                                      args.repeats, any_rank)
