@@ -376,6 +376,10 @@ def main() -> int:
                                 for k in ("ttft_ms", "itl_ms", "tokens_per_s")}
             say(f"{requests} requests, on / off: " + ", ".join(f"{k} {v:.3f}" for k, v in row["on_over_off"].items())
                 + f"; tokens ok: {row['tokens']['ok']}")
+            if row.get("pairs") and all(row["pairs"].values()):  # the spread the medians' ratio hides
+                say(f"{requests} requests, on / off per round (median, min-max of {len(row['pairs']['itl_ms'])}): "
+                    + ", ".join(f"{k} {statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
+                                for k, v in row["pairs"].items()))
     if one_rank is not None:
         result["meta"]["all_reduces_on_one_rank"] = one_rank.all_reduces
     if rank == 0:
