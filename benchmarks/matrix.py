@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -233,7 +234,9 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
             if "off" not in r or "on" not in r:
                 continue
             started = f"; calls started together, idle wait {meta['idle_wait_ms']:g} ms" if meta.get("idle_wait_ms") else ""
+            interleaved = meta.get("interleave") or "--interleave" in meta.get("command", "").split()
             note = ("off and on at once on two GPU pairs of the host" if meta.get("merged_from")
+                    else "in one process, calls interleaved (off on, on off, ...)" if interleaved
                     else f"in one process, {next(iter(data.get('configs') or {'off': 0}))} first") + started
             excluded = sum(len(r[c].get("excluded_calls", [])) for c in ("off", "on"))
             if excluded:  # timed calls that captured CUDA graphs or compiled (bench_serving.steady_calls)
@@ -245,10 +248,16 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
                            "kv_padding") else "") + (f", {meta['attn']}" if meta.get("attn", "sdpa") != "sdpa" else ""),
                        "unit": unit, "off": round(r["off"][key], 3),
                        "on": round(r["on"][key], 3), "speed": speed(r["off"][key], r["on"][key], higher), "note": note}
-                calls = [(a[key], b[key]) for a, b in zip(r["off"].get("calls", []), r["on"].get("calls", []))]
-                if len(calls) > 1:  # the i-th timed calls of off and on (at the same time where run apart)
+                if interleaved:  # the two calls of each round, both steady; the row's speed is their median
+                    offs = {c["round"]: c[key] for c in r["off"].get("calls", []) if "round" in c}
+                    calls = [(offs[c["round"]], c[key]) for c in r["on"].get("calls", []) if c.get("round") in offs]
+                else:  # the i-th timed calls of off and on (at the same time where run apart)
+                    calls = [(a[key], b[key]) for a, b in zip(r["off"].get("calls", []), r["on"].get("calls", []))]
+                if len(calls) > 1:
                     ratios = [speed(a, b, higher) for a, b in calls]
                     row.update(spread=[min(ratios), max(ratios)], pairs=len(ratios))
+                    if interleaved:
+                        row["speed"] = round(statistics.median(ratios), 4)
                 out.append(row)
     for row in out:
         row["machine"] = machine_key(meta, common["date"])

@@ -186,6 +186,26 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
     assert itl["1 requests, ms inter-token"]["speed"] == pytest.approx(25.0 / 23.8, abs=1e-4)
 
 
+def test_interleaved_serving_rows_pair_calls_by_round():
+    """bench_serving.py --interleave: each round's off and on calls make a pair (a round where one
+    config's call was excluded makes none); the row's speed is the pairs' median, as for generate()."""
+    calls = lambda *rounds: {"calls": [{"round": k, "itl_ms": v, "tokens_per_s": 1000 / v, "ttft_ms": 80.0}  # noqa: E731
+                                       for k, v in rounds]}
+    medians = {"tokens_per_s": 250.0, "itl_ms": 4.0, "ttft_ms": 80.0}
+    row = {"off": {**medians, **calls((0, 4.0), (1, 3.0), (2, 3.0), (3, 4.0))},
+           "on": {**medians, "itl_ms": 4.5, **calls((0, 3.0), (2, 4.5), (3, 4.4))}}
+    data = {"meta": {**META, "interleave": True, "fake_world": 2}, "configs": {"off": {}, "on": {}}, "mixes": {"64": row}}
+    itl = next(r for r in matrix.rows_from(Path("serving_llama_w2_fake.json"), data) if r["unit"] == "ms inter-token")
+    # rounds 0, 2, 3: 4.0/3.0, 3.0/4.5, 4.0/4.4 (speed: off / on of a time); round 1 had no steady "on" call
+    assert itl["pairs"] == 3 and itl["spread"] == [0.6667, 1.3333] and itl["speed"] == 0.9091
+    assert itl["note"].startswith("in one process, calls interleaved") and itl["path"] == "generate_batch (fake world)"
+    # Older runs name it only in their command.
+    del data["meta"]["interleave"]
+    data["meta"]["command"] = "python benchmarks/bench_serving.py --fake-world 2 --interleave"
+    assert next(iter(matrix.rows_from(Path("serving_llama_w2_fake.json"), data)))["note"].startswith(
+        "in one process, calls interleaved")
+
+
 def test_moe_rows_say_when_the_finalize_kernel_ran(tmp_path):
     meta = {**META, "model_type": "qwen3_moe", "layers": 24, "hidden": 2048}
     step = {"decode": {"rows": [{"batch": 1, "off_ms": 5.0, "on_ms": 4.0}]}}
