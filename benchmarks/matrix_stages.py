@@ -44,7 +44,8 @@ STAGES = {
                             "prefill 512/2048/8192, with and without the quantized all-reduce") for n in (2, 4)},
     # A config's first call (compile, capture) takes ~230 s at 32 layers on H100: off and on of one
     # stage do not fit one call. serve2: off and on at once on two GPU pairs (serve2@0,1:--configs=off
-    # + serve2@2,3:--configs=on); serve4: off and on in back-to-back calls.
+    # + serve2@2,3:--configs=on); serve4: off and on in back-to-back calls. Both configs with their
+    # calls alternating (:--interleave) fit one call with fewer layers (:--layers=16).
     **{f"serve{n}": Stage(n, 560, "bench_serving.py", "--mixes 1,16,64 --repeats 6",
                           "generate_batch at 1/16/64 requests: TTFT, ITL, tokens/s (one config per run: :--configs=off)")
        for n in (2, 4)},

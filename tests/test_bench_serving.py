@@ -107,12 +107,15 @@ def test_an_idle_loop_waits_at_most_the_idle_wait(monkeypatch):
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_off_and_on_on_two_gloo_ranks(tmp_path):
+@pytest.mark.parametrize("interleave", [False, True], ids=["one_config_then_the_other", "interleaved"])
+def test_off_and_on_on_two_gloo_ranks(tmp_path, interleave):
+    """Both ways of running the configs with TP ranks: each rank keeps a manager per config, and the
+    ranks other than 0 follow rank 0's calls, config by config or alternating."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                            str(ROOT / "benchmarks" / "bench_serving.py"), "--cpu", "--tiny", "--mixes", "1,2",
                            "--repeats", "1", "--prompt", "16", "--new", "4", "--profile-kernels",
-                           "--out", str(tmp_path)],
+                           *(["--interleave"] if interleave else []), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "serving_llama_w2.json").read_text())
@@ -121,6 +124,7 @@ def test_off_and_on_on_two_gloo_ranks(tmp_path):
         row = result["mixes"][requests]
         assert row["tokens"]["ok"] and row["on"]["new_tokens"] == 4 * int(requests)
         assert row["off"]["steady"] and len(row["on"]["calls"]) == 1 and "excluded_calls" in row["on"]
+        assert ("pairs" in row) == interleave and all(len(v) == 1 for v in row.get("pairs", {}).values())
         steps = row["on"]["calls"][0]["steps"]  # the prompts' tokens, then a step per further token
         assert sum(steps["varlen"]) >= 16 * int(requests) and steps["decode_fast_path"] + len(steps["varlen"]) >= 4
     for name in ("off", "on"):  # --profile-kernels: where the time went, the generation thread's ops included
