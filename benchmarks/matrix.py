@@ -262,6 +262,7 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
     for row in out:
         row["machine"] = machine_key(meta, common["date"])
         if meta.get("fake_world") or meta.get("shared_gpu"):  # collectives that compute nothing, or ranks taking turns
+            row["stand_in"] = True  # a check of a path, not a user's speed: no goal reads it
             row["path"] += ((" (fake world, NCCL's host path)" if meta.get("all_reduces_on_one_rank") else " (fake world)")
                             if meta.get("fake_world") else " (two ranks on one GPU)")
     return out

@@ -53,7 +53,7 @@ class Goal:
 
     def rows(self, rows: list[dict]) -> list[dict]:
         return [r for r in rows if r["path"].startswith(self.path) and re.match(self.model, r["model"])
-                and r["tp"] == self.tp and r["case"].startswith(self.case)]
+                and r["tp"] == self.tp and r["case"].startswith(self.case) and not r.get("stand_in")]
 
     def target(self) -> str:
         return {"saved": f"≥ {self.bar:.0%} less time", "gain": f"≥ {self.bar:.0%} more",
