@@ -248,15 +248,14 @@ def rows_from(path: Path, data: dict | None = None) -> list[dict]:
                            "kv_padding") else "") + (f", {meta['attn']}" if meta.get("attn", "sdpa") != "sdpa" else ""),
                        "unit": unit, "off": round(r["off"][key], 3),
                        "on": round(r["on"][key], 3), "speed": speed(r["off"][key], r["on"][key], higher), "note": note}
-                if interleaved:  # the two calls of each round, both steady; the row's speed is their median
-                    offs = {c["round"]: c[key] for c in r["off"].get("calls", []) if "round" in c}
-                    calls = [(offs[c["round"]], c[key]) for c in r["on"].get("calls", []) if c.get("round") in offs]
+                if interleaved:  # on / off of each round whose two calls were steady (bench_serving's `pairs`)
+                    ratios = [round(v if higher else 1 / v, 4) for v in r.get("pairs", {}).get(key, [])]
                 else:  # the i-th timed calls of off and on (at the same time where run apart)
-                    calls = [(a[key], b[key]) for a, b in zip(r["off"].get("calls", []), r["on"].get("calls", []))]
-                if len(calls) > 1:
-                    ratios = [speed(a, b, higher) for a, b in calls]
+                    ratios = [speed(a[key], b[key], higher)
+                              for a, b in zip(r["off"].get("calls", []), r["on"].get("calls", []))]
+                if len(ratios) > 1:
                     row.update(spread=[min(ratios), max(ratios)], pairs=len(ratios))
-                    if interleaved:
+                    if interleaved:  # the row's speed is the rounds' median, as for generate()
                         row["speed"] = round(statistics.median(ratios), 4)
                 out.append(row)
     for row in out:

@@ -189,15 +189,15 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
 def test_interleaved_serving_rows_pair_calls_by_round():
     """bench_serving.py --interleave: each round's off and on calls make a pair (a round where one
     config's call was excluded makes none); the row's speed is the pairs' median, as for generate()."""
-    calls = lambda *rounds: {"calls": [{"round": k, "itl_ms": v, "tokens_per_s": 1000 / v, "ttft_ms": 80.0}  # noqa: E731
-                                       for k, v in rounds]}
     medians = {"tokens_per_s": 250.0, "itl_ms": 4.0, "ttft_ms": 80.0}
-    row = {"off": {**medians, **calls((0, 4.0), (1, 3.0), (2, 3.0), (3, 4.0))},
-           "on": {**medians, "itl_ms": 4.5, **calls((0, 3.0), (2, 4.5), (3, 4.4))}}
+    # on / off of rounds 0, 2 and 3 (off 4.0, 3.0, 4.0 ms; on 3.0, 4.5, 4.4 ms); round 1 had no steady "on" call
+    row = {"off": medians, "on": {**medians, "itl_ms": 4.5},
+           "pairs": {"itl_ms": [0.75, 1.5, 1.1], "tokens_per_s": [1.3333, 0.6667, 0.9091], "ttft_ms": [1.0, 1.0, 1.0]}}
     data = {"meta": {**META, "interleave": True, "fake_world": 2}, "configs": {"off": {}, "on": {}}, "mixes": {"64": row}}
-    itl = next(r for r in matrix.rows_from(Path("serving_llama_w2_fake.json"), data) if r["unit"] == "ms inter-token")
-    # rounds 0, 2, 3: 4.0/3.0, 3.0/4.5, 4.0/4.4 (speed: off / on of a time); round 1 had no steady "on" call
+    rows = {r["unit"]: r for r in matrix.rows_from(Path("serving_llama_w2_fake.json"), data)}
+    itl = rows["ms inter-token"]  # speed: off / on of a time, on / off of a rate
     assert itl["pairs"] == 3 and itl["spread"] == [0.6667, 1.3333] and itl["speed"] == 0.9091
+    assert rows["tokens/s"]["speed"] == 0.9091 and itl["on"] == 4.5  # the medians stay as measured
     assert itl["note"].startswith("in one process, calls interleaved") and itl["path"] == "generate_batch (fake world)"
     assert itl["stand_in"]
     # Older runs name it only in their command.
