@@ -225,8 +225,9 @@ for s in "$@"; do
     cbgraphs2) stage cbgraphs2 "${LIMIT:-300}" $TORCHRUN 2 tests/gpu/check_continuous_batching.py --two-gpus \
       --cuda-graphs --models "$CB_MODELS" --out "$OUT/cb_w2_tf$TF_TAG" ;;
     # Serving throughput (benchmarks/bench_serving.py): TP=2's host path on one GPU (fake2: off and on
-    # calls alternate, a model each), both ranks on one GPU end to end (shared), two and four GPUs (serve2, serve4).
-    servefake2) stage servefake2 "${LIMIT:-400}" python benchmarks/bench_serving.py --fake-world 2 --interleave \
+    # calls alternate, a model each, 8 rounds: one H100's calls ran at two speeds 1.6x apart, in either
+    # config, on 2026-12-07), both ranks on one GPU end to end (shared), two and four GPUs (serve2, serve4).
+    servefake2) stage servefake2 "${LIMIT:-400}" python benchmarks/bench_serving.py --fake-world 2 --interleave --repeats 8 \
       --model-type "${SERVE_MODEL:-llama}" --layers "${SERVE_LAYERS:-8}" --out "$OUT/serving" ;;
     serveshared) stage serveshared "${LIMIT:-200}" $TORCHRUN 2 benchmarks/bench_serving.py --shared-gpu --tiny \
       --mixes 1,16 --prompt 64 --new 16 --repeats 1 --out "$OUT/serving" ;;
