@@ -187,8 +187,8 @@ def test_report_merges_serving_off_and_on_run_apart(tmp_path):
 
 
 def test_interleaved_serving_rows_pair_calls_by_round():
-    """bench_serving.py --interleave: each round's off and on calls make a pair (a round where one
-    config's call was excluded makes none); the row's speed is the pairs' median, as for generate()."""
+    """bench_serving.py --interleave: the rows take bench_serving's on / off per round (`pairs`, made
+    only of rounds where both calls were steady) as speeds; the row's speed is their median, as for generate()."""
     medians = {"tokens_per_s": 250.0, "itl_ms": 4.0, "ttft_ms": 80.0}
     # on / off of rounds 0, 2 and 3 (off 4.0, 3.0, 4.0 ms; on 3.0, 4.5, 4.4 ms); round 1 had no steady "on" call
     row = {"off": medians, "on": {**medians, "itl_ms": 4.5},
