@@ -374,6 +374,49 @@ def test_moe_ends_match_uncompiled(dynamic):
     run_workers(_moe_ends, 2, dynamic)
 
 
+class RowThenColumn(nn.Module):
+    """A row-parallel projection, its all-reduce, then a column-parallel one of the replicated
+    result: each rank's weight shard differs, so the collective must stay before that GEMM.
+    `after`: "bias" adds the column shard's bias after the GEMM (Megatron's `skip_bias_add`), a
+    broadcasting add; "lora" adds a second column-sharded product of the same shape."""
+
+    def __init__(self, rank, after, world=2, dtype=torch.bfloat16):
+        super().__init__()
+        self.after = after
+        torch.manual_seed(0)
+        w_row, w_col, w_lora = (torch.randn(H, H, dtype=dtype) / 16 for _ in range(3))
+        bias = torch.randn(H, dtype=dtype)
+        cols = slice(rank * H // world, (rank + 1) * H // world)
+        self.w_row = nn.Parameter(w_row[:, cols].contiguous())  # input dims sharded
+        self.w_col, self.w_lora = nn.Parameter(w_col[cols].contiguous()), nn.Parameter(w_lora[cols].contiguous())
+        self.bias = nn.Parameter(bias[cols].contiguous())
+
+    def forward(self, x_shard, other):
+        y = x_shard @ self.w_row.t()
+        dist.all_reduce(y)
+        out = y @ self.w_col.t()
+        return out + (self.bias if self.after == "bias" else other @ self.w_lora.t())
+
+
+def _column_after_all_reduce(rank):
+    for after in ("bias", "lora"):
+        model = RowThenColumn(rank, after)
+        torch.manual_seed(100 + rank)  # this rank's input shard
+        x_shard = torch.randn(2, 3, H // 2, dtype=torch.bfloat16)
+        torch.manual_seed(7)
+        other = torch.randn(2, 3, H, dtype=torch.bfloat16)
+        actual, expected, stats = compiled_vs_eager(model, (x_shard, other))
+        assert stats["matmuls_moved_before_all_reduce"] == 0, (after, stats)
+        assert_close(actual, expected, torch.bfloat16, after)
+
+
+@pytest.mark.multiproc
+def test_a_column_parallel_projection_stays_after_the_all_reduce():
+    """[B, S, H] activations (the GEMM a view, mm, view, its add apart): the matmul move is for a
+    dense MoE's einsum over stacked experts, never for a weight that differs per rank."""
+    run_workers(_column_after_all_reduce, 2)
+
+
 def test_stats_name_the_rewrites(fake_pg):
     arfusion.reset_stats()
     run(RoutedPlusShared())

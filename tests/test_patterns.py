@@ -46,6 +46,15 @@ def test_decoder_has_2L_plus_1_sites(fake_pg):
     assert stats["by_pattern"] == {"allreduce_rmsnorm": 1, "allreduce_add_rmsnorm": 2 * layers}
 
 
+@pytest.mark.parametrize("batch,seq", [(3, 8), (6, 4), (5, 7)])
+def test_a_batch_that_does_not_divide_the_probe_rows_fuses(fake_pg, batch, seq):
+    """[B, S, H] activations with B not dividing the probe's 32 rows (a prefill batch of 3): the
+    probe folds the token dims instead of failing (`probe_failed`)."""
+    fused, left, stats = compile_and_inspect(TinyDecoder(PATTERN_HIDDEN, 2),
+                                             torch.randn(batch, seq, PATTERN_HIDDEN, dtype=torch.bfloat16))
+    assert stats["fused_sites"] == 5 and left == 0, stats
+
+
 def test_residual_sum_not_used_later_still_fuses(fake_pg):
     model = RowParallelThenNorm(PATTERN_HIDDEN, sum_unused=True)
     fused, left, _ = compile_and_inspect(model, *inputs(torch.bfloat16))

@@ -175,10 +175,13 @@ def _cat_before_all_reduce(graph: torch.fx.Graph, cat: torch.fx.Node) -> int:
 
 def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     """mm/bmm(g, moved(AR(x))) (either side) -> AR(mm/bmm(g, moved(x))), g not all-reduced: the
-    combine of a dense MoE spelled as an einsum over the stacked experts (after
-    `_cat_before_all_reduce`). g must be the same on every rank, which the gate rule decides (the
-    product goes into the residual stream), and the product may not be larger than what was
-    all-reduced: the collective moves after the matmul only where that does not grow it."""
+    combine of a dense MoE spelled as an einsum over the stacked experts. Only there: x is the
+    stack (`_cat_before_all_reduce` made it one all-reduce) and g is computed in the graph (the
+    router's gates), not a weight, whose shards differ per rank (a column-parallel projection of
+    AR(x) must stay after the collective). g must also be the same on every rank, which the gate
+    rule decides (the product goes into the residual stream), and the product may not be larger
+    than what was all-reduced: the collective moves after the matmul only where that does not
+    grow it."""
     if node.target not in (aten.mm.default, aten.bmm.default) or node.kwargs:
         return False
     for i, operand in enumerate(node.args):
@@ -186,7 +189,8 @@ def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> boo
         if found is None or reduced_source(node.args[1 - i], MOVES) is not None:
             continue
         all_reduce, x, chain = found
-        if value(node).dtype != value(x).dtype or not into_residual_stream(node) \
+        if x.target is not aten.cat.default or _a_graph_input(node.args[1 - i]) \
+                or value(node).dtype != value(x).dtype or not into_residual_stream(node) \
                 or not statically_known_true(value(node).numel() <= value(x).numel()):
             return False
         build = Builder(graph, node)
@@ -199,6 +203,13 @@ def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> boo
                                  [*chain, all_reduce])
         return True
     return False
+
+
+def _a_graph_input(node: torch.fx.Node) -> bool:
+    """A graph input or attribute (a weight, as the graph holds one) through moves."""
+    while node.target in MOVES or node.target is aten.t.default:
+        node = node.args[0]
+    return node.op in ("placeholder", "get_attr")
 
 
 def _permute_as_reshape(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:

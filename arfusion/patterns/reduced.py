@@ -82,11 +82,17 @@ def reduced_term(node: torch.fx.Node) -> Term | None:
 
 
 def into_residual_stream(node: torch.fx.Node) -> bool:
-    """Whether `node` (through moves and products by a nonzero number) is added to something:
-    the residual stream."""
+    """Whether `node` (through moves and products by a nonzero number) is added to a tensor of
+    its own shape: the residual stream. An add that broadcasts (a bias shard after a GEMM, as
+    Megatron's `skip_bias_add` leaves it) is not one."""
     for user in node.users:
         scaled = by_a_number(user)
         passes = user.target in MOVES or (scaled is not None and scaled[1] != 0 and math.isfinite(scaled[1]))
-        if user.target is aten.add.Tensor or (passes and into_residual_stream(user)):
+        if _full_add(user) or (passes and into_residual_stream(user)):
             return True
     return False
+
+
+def _full_add(node: torch.fx.Node) -> bool:
+    return node.target is aten.add.Tensor and len(node.args) == 2 and all(
+        isinstance(a, torch.fx.Node) and same_shape(a, node) for a in node.args)

@@ -104,12 +104,16 @@ def token_prefix(shape: tuple[int, ...], tokens: int) -> int | None:
 
 def probe_shape(shape: tuple[int, ...], tokens: int, rows: int) -> tuple[int, ...] | None:
     """`shape` with its tokens replaced by `rows` (one leading dim rescaled), or None."""
-    # prod(shape[:k]) = tokens * m; the probe keeps the dims before k - 1 and needs
-    # prod = rows * m, so dim k - 1 becomes shape[k - 1] * rows / tokens.
+    # prod(shape[:k]) = tokens * m; the probe needs prod = rows * m. Dim k - 1 becomes
+    # shape[k - 1] * rows / tokens where that divides; else ([3, 8, H]: a batch of 3 does not
+    # divide 32 rows) the dims before it become ones and dim k - 1 takes all rows * m. Either way
+    # the rows keep their order, so every tensor of the region is rescaled alike.
     k = token_prefix(shape, tokens)
-    if k is None or (shape[k - 1] * rows) % tokens:
+    if k is None:
         return None
-    return (*shape[:k - 1], shape[k - 1] * rows // tokens, *shape[k:])
+    if (shape[k - 1] * rows) % tokens == 0:
+        return (*shape[:k - 1], shape[k - 1] * rows // tokens, *shape[k:])
+    return (*[1] * (k - 1), math.prod(shape[:k]) // tokens * rows, *shape[k:])
 
 
 def reduce_dims(node: torch.fx.Node) -> list[int] | None:
