@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch._inductor import config as inductor_config
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import stable_topological_sort
 
@@ -246,7 +247,12 @@ def not_fused_reasons(lines: list[str]) -> dict[str, int]:
 # ---------------------------------------------------------------- installation
 
 
-class ChainedPass(CustomGraphPass):
+# A pass that takes `is_inference` too (torch >= 2.12); Inductor hands it only to passes it finds
+# in its slot, so a chain that holds one must be one and pass it on.
+_INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+
+
+class ChainedPass(_INFERENCE_AWARE or CustomGraphPass):
     """Runs several post-grad passes in order; cacheable only if every one of them is."""
 
     def __init__(self, passes: list[Any]):
@@ -255,12 +261,15 @@ class ChainedPass(CustomGraphPass):
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other.passes == self.passes
 
-    def __hash__(self) -> int:
-        return hash(tuple(id(p) for p in self.passes))
+    def __hash__(self) -> int:  # equal chains (passes equal one by one) hash alike
+        return hash(tuple(type(p) for p in self.passes))
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
         for p in self.passes:
-            p(graph)
+            if _INFERENCE_AWARE is not None and isinstance(p, _INFERENCE_AWARE):
+                p(graph, is_inference=is_inference)
+            else:
+                p(graph)
 
     def uuid(self) -> Any:
         uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]

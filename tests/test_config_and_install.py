@@ -113,6 +113,44 @@ def test_user_pass_still_runs_under_compile():
     arfusion.disable()
 
 
+def test_an_inference_aware_user_pass_gets_is_inference_through_the_chain():
+    """A user's CustomInferenceAwareGraphPass set before enable(): Inductor hands `is_inference`
+    only to a pass in its slot, so the chain takes it and passes it on."""
+    from torch._inductor import custom_graph_pass
+
+    aware = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+    if aware is None:
+        pytest.skip("this torch has no inference-aware passes")
+
+    class AwarePass(aware):
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, graph, is_inference):
+            self.seen.append(is_inference)
+
+        def uuid(self):
+            return "aware"
+
+    user = AwarePass()
+    inductor_config.post_grad_custom_post_pass = user
+    arfusion.enable()
+    try:
+        with torch.no_grad():
+            torch.compile(lambda x: x.sin() + 1)(torch.randn(4))
+    finally:
+        arfusion.disable()
+    assert user.seen == [True]
+    assert inductor_config.post_grad_custom_post_pass is user
+
+
+def test_equal_chains_hash_alike():
+    ours = ArFusionPass(arfusion.PassConfig(enable_allreduce_fusion=True))
+    a = ChainedPass([ours, ArFusionPass(arfusion.PassConfig(enable_allreduce_fusion=True))])
+    b = ChainedPass([ours, ArFusionPass(arfusion.PassConfig(enable_allreduce_fusion=True))])
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+
+
 def test_disable_without_enable_is_harmless():
     arfusion.disable()
     assert inductor_config.post_grad_custom_post_pass is None
