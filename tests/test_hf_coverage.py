@@ -214,6 +214,19 @@ def test_a_hung_architecture_is_killed_and_recorded(tmp_path):
     assert not hf_coverage.processes_with_env(b"HF_COVERAGE_TEST_HANG=llama")
 
 
+def test_only_writes_to_a_temporary_directory(tmp_path, monkeypatch, capsys):
+    """--only without --update never replaces the committed full sweep; --md/--json given are kept."""
+    monkeypatch.setattr(hf_coverage.tempfile, "tempdir", str(tmp_path))
+    args = hf_coverage.parse_args(["--only", "llama"])
+    assert Path(args.md).parent == Path(args.json).parent and Path(args.md).parent.parent == tmp_path
+    assert str(Path(args.md).parent) in capsys.readouterr().err
+    args = hf_coverage.parse_args(["--only", "llama", "--md", "x.md"])
+    assert args.md == "x.md" and Path(args.json).parent.parent == tmp_path
+    assert hf_coverage.parse_args(["--only", "llama", "--update"]).json == str(COMMITTED)
+    args = hf_coverage.parse_args([])
+    assert (args.md, args.json) == (str(ROOT / "docs" / "coverage.md"), str(COMMITTED))
+
+
 # ------------------------------------------------------------------------- the counter alone
 class RMSNorm(torch.nn.Module):  # Llama's spelling
     def __init__(self, h, eps=1e-6):

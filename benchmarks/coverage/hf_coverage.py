@@ -1,7 +1,7 @@
 """Coverage over every Hugging Face architecture with a tensor-parallel plan.
 
     python benchmarks/coverage/hf_coverage.py                       # all of them, writes docs/coverage.md
-    python benchmarks/coverage/hf_coverage.py --only llama,olmo2    # a subset
+    python benchmarks/coverage/hf_coverage.py --only llama,olmo2    # a subset, written to a temporary directory
     python benchmarks/coverage/hf_coverage.py --tokens 1 --md docs/coverage_decode.md --json docs/data/coverage_decode.json
 
 Each causal-LM model type with a TP plan (`arfusion.check.architectures`) as a tiny config
@@ -410,7 +410,7 @@ def driver_main(args) -> int:
     fresh = {m: ({"model_type": m, "error": skipped[m]} if m in skipped else results[m]) for m in wanted}
     rows = [fresh.get(m, r) for m, r in previous.items()] + [r for m, r in fresh.items() if m not in previous]
     command = "python benchmarks/coverage/hf_coverage.py" + (f" --only {args.only}" if args.only else "") + \
-        (f" --tokens {args.tokens}" if args.tokens != TOKENS else "")
+        (f" --tokens {args.tokens}" if args.tokens != TOKENS else "") + args.outputs_given
     run = {"tokens": args.tokens, "command": command, "date": date, "wall_s": round(wall, 1),
            "torch": torch.__version__, "transformers": transformers.__version__, "arfusion": arfusion.__version__,
            "commit": commit}
@@ -425,12 +425,12 @@ def driver_main(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated model types (default: all)")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per architecture before it is killed")
-    p.add_argument("--md", default=str(ROOT / "docs" / "coverage.md"))
-    p.add_argument("--json", default=str(ROOT / "docs" / "data" / "coverage.json"))
+    p.add_argument("--md", help="default: docs/coverage.md; with --only (no --update), a temporary directory")
+    p.add_argument("--json", help="default: docs/data/coverage.json; with --only (no --update), a temporary directory")
     p.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "arfusion-coverage-ranks.log"),
                    help="where the ranks' stdout/stderr go")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -440,6 +440,21 @@ def main(argv=None) -> int:
     for internal in ("--archs", "--progress", "--ckpt-root"):
         p.add_argument(internal, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        return args
+    args.outputs_given = "".join(f" --{k} {getattr(args, k)}" for k in ("md", "json") if getattr(args, k))
+    # A few rows (--only) never replace the committed full sweep, unless --update merges them into it.
+    if args.only and not args.update and not (args.md and args.json):
+        out = Path(tempfile.mkdtemp(prefix="arfusion-coverage-"))
+        args.md, args.json = args.md or str(out / "coverage.md"), args.json or str(out / "coverage.json")
+        print(f"--only: the reports go to {out} (--md, --json to choose)", file=sys.stderr)
+    args.md = args.md or str(ROOT / "docs" / "coverage.md")
+    args.json = args.json or str(ROOT / "docs" / "data" / "coverage.json")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.worker:
         Worker(Path(args.progress), args.ckpt_root).run(args.archs.split(","))
         return 0
