@@ -41,6 +41,7 @@ class Why(str, Enum):
     SCALED = "scaled"  # scaled before the norm in a way the op cannot take
     NOT_RMS = "not_rms"  # computes nothing like all_reduce [+ residual] -> RMSNorm
     ROUNDING = "rounding"  # an RMSNorm that rounds unlike the fused kernels
+    BOUNDED = "bounded"  # a clamp / min / max / where on the hidden states before the norm
     OTHER_INPUTS = "other_inputs"  # the norm reads tensors of another role
     RESIDUAL_TERMS = "residual_terms"  # too many activation-sized terms
     NORM_INPUTS = "norm_inputs"  # more than one weight or scalar

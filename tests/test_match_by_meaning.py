@@ -102,6 +102,36 @@ def test_lookalikes_stay_unfused_and_say_why(fake_pg, caplog, name):
     assert "not fused" in caplog.text  # and people read why
 
 
+FP16_MAX = torch.finfo(torch.float16).max
+BOUNDS = {  # fp16 overflow guards on the residual sum, the identity on every ordinary value
+    "clamp": lambda r, y: (r + y).clamp(-60000.0, 60000.0),
+    "t5_clamp": lambda r, y: (r + y).clamp(-(FP16_MAX - 1000), FP16_MAX - 1000),
+    "nan_to_num": lambda r, y: torch.nan_to_num(r + y, posinf=FP16_MAX, neginf=-FP16_MAX),
+    "where_isinf": lambda r, y: torch.where(torch.isinf(r + y), torch.zeros_like(r), r + y),
+}
+
+
+@pytest.mark.parametrize("name", list(BOUNDS))
+def test_a_bound_on_the_hidden_states_stays_unfused(fake_pg, name):
+    """A clamp that acts only where the sum overflows is the identity on every probe row; fused, it
+    would be dropped (inf and NaN where the model gives finite values). It keeps the site unfused,
+    and the overflowing call gives what Inductor alone gives (which sums fp16 in fp32 inside its
+    kernels, so where the guard tests for inf it may differ from eager)."""
+    module = Site(NORMS["hf_llama"][0], residual=BOUNDS[name], dtype=torch.float16)
+    x, r = torch.randn(2, 5, H, dtype=torch.float16), torch.randn(2, 5, H, dtype=torch.float16)
+    with torch.no_grad():
+        module.proj.weight.copy_(torch.eye(H, dtype=torch.float16))
+    x[0, 0, 0] = r[0, 0, 0] = 40000.0  # their sum overflows fp16
+    fused, left, actual, _, stats = run(module, dtype=torch.float16, inputs=(x, r))
+    assert fused == [] and stats["why_not_codes"] == {Why.BOUNDED.value: 1}, stats["why_not_codes"]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        inductor = torch.compile(module)(x, r)
+    for a, e in zip(actual, inductor):
+        assert torch.equal(a.isfinite(), e.isfinite())
+        assert_close(a[a.isfinite()], e[e.isfinite()], torch.float16, name)
+
+
 def test_hyper_connection_streams_are_named(fake_pg):
     """DeepSeek-V4 / Qwen4-exp: the all-reduced output is weighted into k residual streams per
     token, and each stream is normed on its own: no site, and the reason says so."""

@@ -45,6 +45,16 @@ LAYERNORM_REASON = Reason(Why.LAYERNORM, "the norm subtracts the mean (LayerNorm
 L2_REASON = Reason(Why.L2_NORM, "the norm divides by the L2 norm (x/||x||, nGPT), not by the RMS: that is RMSNorm "
                                 "times 1/sqrt(hidden), which the fused kernels' weight cannot carry exactly")
 RETURNED_REASON = Reason(Why.GRAPH_OUTPUT, "no norm reads the all-reduced value in this graph, which returns it")
+# Ops that may act only on values the probe never reaches: an fp16 overflow guard
+# `(r + AR(y)).clamp(-60000, 60000)` is the identity on every probe row, and the fused op would
+# drop it. On hidden-state-sized values in a site, they keep it unfused.
+BOUNDS = {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
+          aten.clamp_min.Tensor, aten.clamp_max.Tensor, aten.minimum.default, aten.maximum.default,
+          aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.nan_to_num.default,
+          aten.hardtanh.default}
+BOUNDED_REASON = Reason(Why.BOUNDED, "the hidden states are clamped (or bounded by min / max / where) before the "
+                                     "norm: such a bound may act only where values overflow, which the fused op "
+                                     "would not do")
 
 
 @dataclass(frozen=True)
@@ -224,11 +234,18 @@ class Classifier(Prober):
             return False
         return any(n.target in REDUCTIONS for n in ancestors_within(node, self.members))
 
+    def _activation_sized(self, i: int) -> bool:
+        val = value(self.enc.nodes[i])
+        return isinstance(val, torch.Tensor) and val.dim() > 0 and \
+            activation_sized(hinted_shape(self.enc.nodes[i]), self.enc.region)
+
     def _norm_site(self, out: int) -> Plan | NoSite:
         enc = self.enc
         ids = enc.ids(ancestors_within(enc.nodes[out], self.members) | {enc.nodes[0]})
         if self._subtracts_mean(ids):
             return NoSite(LAYERNORM_REASON)
+        if any(self.enc.nodes[i].target in BOUNDS and self._activation_sized(i) for i in ids):
+            return NoSite(BOUNDED_REASON)
         by_role: dict[str, list[int]] = {}
         for r in enc.site_roots(set(ids)):
             by_role.setdefault(self.role_of_root(r), []).append(r)
@@ -378,7 +395,9 @@ class Classifier(Prober):
             if i == 0 and residuals:
                 return _no(Why.READ_ELSEWHERE, "the all-reduced value itself is also read elsewhere (only its sum "
                                                "with the residual can be)")
-            return _no(Why.READ_ELSEWHERE, f"an intermediate ({node.name}, {node.target}) is also read outside the ids")
+            return _no(Why.READ_ELSEWHERE, f"an intermediate of the norm ({node.name}, {node.target}) is also read "
+                                           "outside it (in grad mode: saved for backward; compile under "
+                                           "torch.no_grad() or torch.inference_mode())")
         return tuple(exits)
 
     def _quant(self, plan: Plan) -> QuantPlan | None:
