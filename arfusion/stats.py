@@ -6,6 +6,7 @@ The module is callable: `arfusion.stats()` is `stats()` (the package's name `sta
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import threading
 import types
@@ -28,6 +29,25 @@ _collectives: Counter[str] = Counter()  # all-reduce rewrites before fusion (pat
 _splits: Counter[str] = Counter()  # function whose graph break split all-reduces from their norms -> how many
 _graphs = 0
 _pass_seconds = 0.0
+# Graph keys the pass rewrote in this process (kept by reset_stats: its graphs may run after one),
+# and those whose ops ran without it: loaded from Inductor's FX graph cache (their reasons unknown).
+_passed: set[str] = set()
+_from_cache: set[str] = set()
+_said_from_cache: set[str] = set()
+log = logging.getLogger("arfusion")
+
+
+def _op_ran(key: str) -> None:
+    """An op of graph `key` ("graph:index") ran for the first time since reset_stats."""
+    graph = key.rpartition(":")[0]
+    if graph in _passed or graph in _from_cache:
+        return
+    _from_cache.add(graph)
+    if graph not in _said_from_cache:
+        _said_from_cache.add(graph)
+        log.info("arfusion: a compiled graph came from Inductor's FX graph cache, so the pass did not run on it: "
+                 "stats() counts its fused sites and fast-path all-reduces as they run, not why the others were "
+                 "left unfused. TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 recompiles it and says why.")
 
 
 def record_graph(unfused: int = 0, on_callers_stream: int = 0, reasons: list[Reason] = (),
@@ -49,6 +69,7 @@ def record_site(key: str, name: str) -> None:
     if key not in _sites:
         with _lock:
             _sites[key] = name
+            _op_ran(key)
 
 
 def forget_graph(graph_key: str) -> None:
@@ -68,6 +89,7 @@ def record_moe_combine(key: str) -> None:
     if key not in _moe_combines:
         with _lock:
             _moe_combines.add(key)
+            _op_ran(key)
 
 
 def record_fast_all_reduce(key: str) -> None:
@@ -75,11 +97,13 @@ def record_fast_all_reduce(key: str) -> None:
     if key not in _fast:
         with _lock:
             _fast.add(key)
+            _op_ran(key)
 
 
 def record_decision(graph_key: str, decision: Decision) -> None:
     """What the pass did with one all-reduce of the graph `graph_key` (decisions.Decision)."""
     with _lock:
+        _passed.add(graph_key)
         # "outcome" and "detail": the names of the release before (the fate's value; one line).
         _decisions.append({"graph": graph_key, **decision.as_dict(), "outcome": decision.fate.value,
                            "decision": decision})
@@ -123,7 +147,9 @@ def stats() -> dict:
     it first runs). unfused_sites counts the all_reduces the pass left, why_not their reasons
     (message -> count, for people), why_not_codes the same by the reasons' stable codes (decisions.Why),
     and unfused_on_callers_stream those now run as a blocking all-reduce on the caller's stream
-    (GPU); these three come from the pass, so a cache hit adds nothing to them. Likewise
+    (GPU); these come from the pass, so a cache hit adds nothing to them but its fast-path
+    all-reduces to unfused_sites (as they run). graphs_from_cache counts the graphs whose arfusion
+    ops ran though the pass never saw them in this process (FX graph cache hits; said once at INFO). Likewise
     summed_all_reduces_merged (AR(a) + AR(b) rewritten as AR(a + b): one collective fewer each;
     gated_all_reduces_merged of them with a factor, AR(a) + f * AR(b) -> AR(a + f * b))
     sums_moved_before_all_reduce (sum([f *] AR(x)) rewritten as AR(sum([f *] x))),
@@ -149,7 +175,7 @@ def stats() -> dict:
         return {
             "fused_sites": len(_sites),
             "by_pattern": dict(Counter(_sites.values())),
-            "unfused_sites": _left["total"],
+            "unfused_sites": _left["total"] + sum(k.rpartition(":")[0] in _from_cache for k in _fast),
             "unfused_on_callers_stream": _left["on_callers_stream"],
             "why_not": dict(_why_not),
             "why_not_codes": dict(_why_not_codes),
@@ -167,6 +193,7 @@ def stats() -> dict:
             "dispatch_in_cuda_graphs": dict(_captured),
             "eager_in_cuda_graphs": dict(_eager_in_capture),
             "graphs": _graphs,
+            "graphs_from_cache": len(_from_cache),
             "pass_seconds": _pass_seconds,
         }
 
@@ -187,6 +214,7 @@ def reset_stats() -> None:
         _dispatch.clear()
         _captured.clear()
         _eager_in_capture.clear()
+        _from_cache.clear()
         _graphs = 0
 
 

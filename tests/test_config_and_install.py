@@ -211,3 +211,29 @@ def test_warm_fx_graph_cache_hit_still_fuses_and_reports_the_same_sites(fake_pg)
     assert warm["graphs"] == 0 and warm["pass_seconds"] == 0
     assert (warm["fused_sites"], warm["by_pattern"]) == (cold["fused_sites"], cold["by_pattern"])
     assert warm["dispatch"] == {"torch": 5}
+
+
+def test_a_graph_from_the_cache_of_another_process_is_said_and_counted(fake_pg, caplog, monkeypatch):
+    """A graph from the FX graph cache that the pass never met in this process (a rerun of a
+    script): one INFO line says its reasons are not known, its fast-path all-reduce counts as
+    unfused (not 0 beside a fast-path all-reduce), and graphs_from_cache counts it."""
+    from torch._inductor.utils import fresh_cache
+
+    from .models import LayerNormBlock
+
+    model = LayerNormBlock(64)
+    x, r = torch.randn(1, 4, 64, dtype=torch.bfloat16), torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    options = arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch"))
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), torch.no_grad():
+        torch.compile(model, options=options)(x, r)
+        cold = arfusion.stats()
+        torch._dynamo.reset()
+        arfusion.reset_stats()
+        monkeypatch.setattr(arfusion.stats, "_passed", set())  # as in a new process
+        with caplog.at_level(logging.INFO, logger="arfusion"):
+            torch.compile(model, options=options)(x, r)
+        warm = arfusion.stats()
+    assert cold["why_not_codes"] == {"layernorm": 1} and cold["unfused_sites"] == 1 and cold["graphs_from_cache"] == 0
+    assert warm["graphs"] == 0 and warm["graphs_from_cache"] == 1
+    assert warm["fast_path_all_reduces"] == warm["unfused_sites"] == 1 and warm["why_not_codes"] == {}
+    assert caplog.text.count("FX graph cache") == 1
