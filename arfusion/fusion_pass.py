@@ -27,7 +27,8 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from . import backends, edits, patterns, policy, stats
 from .config import PassConfig, env_disabled, env_strict
 from .decisions import Decision, Fate, Reason, Why
-from .graph_utils import ALL_REDUCE, REDUCE_SCATTER, collective_group, dedupe_pure_nodes, has_fp8_casts, restore, snapshot
+from .graph_utils import (ALL_REDUCE, REDUCE_SCATTER, collapse_double_waits, collective_group, dedupe_pure_nodes,
+                          has_fp8_casts, restore, snapshot)
 from .runtime import log_once
 from .version import __version__
 
@@ -152,6 +153,8 @@ class GraphRun:
             log.info("arfusion: %d reduce_scatter(s) left unfused: with sequence parallelism the all-reduce becomes "
                      "reduce-scatter + all-gather, and only all_reduce -> norm sites are fused", scattered)
         before = [n.name for n in graph.nodes if n.target is ALL_REDUCE]
+        if before:
+            collapse_double_waits(graph)
         if before and has_fp8_casts(graph):
             # torchao re-quantizes the norm output once per consuming linear (q, k, v, ...);
             # one quant chain is what a site can absorb.

@@ -61,6 +61,19 @@ def dedupe_pure_nodes(graph: torch.fx.Graph) -> int:
     return merged
 
 
+def collapse_double_waits(graph: torch.fx.Graph) -> int:
+    """wait(wait(x)) -> wait(x): torch's functional all_reduce returns a tensor that waits by
+    itself, and a model that also calls `wait_tensor` on it traces two waits; the second is a
+    no-op that would hide the all-reduce's reader. Returns how many were dropped."""
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.target is WAIT and isinstance(node.args[0], torch.fx.Node) and node.args[0].target is WAIT:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            dropped += 1
+    return dropped
+
+
 def _hashable(value):
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, *(_hashable(v) for v in value))

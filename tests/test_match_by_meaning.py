@@ -31,6 +31,8 @@ LOOKALIKES = {
                                                                      + eps)).to(h.dtype), Why.NO_NORM),
     "eps_outside_the_root": (lambda h, w, eps: w * (h.float() / (torch.sqrt(mean_square(h.float())) + eps)).to(h.dtype),
                              Why.NOT_RMS),
+    "layer_norm_by_hand": (lambda h, w, eps: w * ((h.float() - h.float().mean(-1, keepdim=True)) * torch.rsqrt(
+        h.float().var(-1, keepdim=True, unbiased=False) + eps)).to(h.dtype), Why.LAYERNORM),
     "eps_as_a_floor": (lambda h, w, eps: w * (h.float() * torch.rsqrt(mean_square(h.float()).clamp_min(eps))).to(h.dtype),
                        Why.NOT_RMS),
     # nGPT / Dory: onto the unit sphere, x / ||x||: RMSNorm / sqrt(hidden) (unlisted)
@@ -100,6 +102,32 @@ def test_lookalikes_stay_unfused_and_say_why(fake_pg, caplog, name):
     assert fused == [] and left == 1
     assert stats["why_not_codes"] == {code.value: 1}, stats["why_not_codes"]
     assert "not fused" in caplog.text  # and people read why
+
+
+@pytest.mark.parametrize("residual,code", [
+    (lambda r, y: r.float() + y, Why.RESIDUAL_DTYPE),  # an fp32 residual stream: not a graph output
+    (lambda r, y: y - r, Why.NOT_RMS),  # two hidden states subtracted: not a LayerNorm
+], ids=["fp32_residual_stream", "difference"])
+def test_near_misses_name_their_own_reason(fake_pg, residual, code):
+    fused, left, actual, expected, stats = run(Site(NORMS["hf_llama"][0], residual=residual))
+    assert fused == [] and stats["why_not_codes"] == {code.value: 1}, stats["why_not_codes"]
+    assert_matches_eager(actual, expected)
+
+
+def test_an_explicit_wait_on_a_functional_all_reduce_fuses(fake_pg):
+    """`funcol.wait_tensor(funcol.all_reduce(...))`: the traced graph waits twice; the second wait
+    is dropped and the site fuses."""
+    import torch.distributed._functional_collectives as funcol
+
+    class Waited(Site):
+        def forward(self, x, residual):
+            y = funcol.wait_tensor(funcol.all_reduce(self.proj(x), "sum", dist.group.WORLD))
+            h = residual + y
+            return self.norm(h, self.weight, self.eps), h
+
+    fused, left, actual, expected, _ = run(Waited(NORMS["hf_llama"][0]))
+    assert left == 0 and len(fused) == 1
+    assert_matches_eager(actual, expected)
 
 
 FP16_MAX = torch.finfo(torch.float16).max

@@ -196,6 +196,12 @@ class Classifier(Prober):
                 return _no(Why.HYPER_CONNECTIONS, f"the all-reduced value is multiplied into {streams} streams before "
                            "any norm (hyper-connections: each stream has its own per-token weight), not all_reduce "
                            "[+ residual] -> RMSNorm")
+            widened = {value(enc.nodes[i]).dtype for i in range(1, self.region_size)
+                       if self._may_be_norm_output(i, any_dtype=True)}
+            if widened:
+                return _no(Why.RESIDUAL_DTYPE, f"the norm reads a {'/'.join(map(str, widened))} sum of the all-reduced "
+                                               f"{self.dtype} value (a residual stream of another dtype): the fused op "
+                                               "keeps one dtype")
             if enc.region.hints:
                 return _no(Why.NO_NORM, f"no RMSNorm over the hidden dim reads the all-reduced value "
                                         f"({'; '.join(enc.region.hints)})")
@@ -222,10 +228,11 @@ class Classifier(Prober):
                     return numel // size
         return 0
 
-    def _may_be_norm_output(self, i: int) -> bool:
+    def _may_be_norm_output(self, i: int, any_dtype: bool = False) -> bool:
         node = self.enc.nodes[i]
         val = value(node)
-        if not isinstance(val, torch.Tensor) or val.dtype != self.dtype or val.dim() == 0:
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or not val.dtype.is_floating_point \
+                or (val.dtype != self.dtype and not any_dtype):
             return False
         if node.target in SIZED_SHAPE_OPS or node.target in OTHER_SHAPE_OPS:
             return False  # a view of the norm output is not where the norm ends
@@ -364,11 +371,20 @@ class Classifier(Prober):
         return bool(targets & {aten.var_mean.correction, aten.var.correction, aten.native_layer_norm.default})
 
     def _not_rms_reason(self, ids) -> NoSite:
-        if self._subtracts_mean(ids) or aten.sub.Tensor in {self.enc.nodes[i].target for i in ids}:
+        if self._subtracts_mean(ids) or any(self._centres(i) for i in ids):
             return NoSite(LAYERNORM_REASON)
         if self._scaled_start():
             return SCALED
         return NOT_RMS
+
+    def _centres(self, i: int) -> bool:
+        """A per-token value (a mean, [..., 1]) subtracted from the hidden states: a LayerNorm
+        written by hand. `y - r` of two hidden-state tensors is not one."""
+        node = self.enc.nodes[i]
+        if node.target is not aten.sub.Tensor:
+            return False
+        shapes = [hinted_shape(a) if isinstance(a, torch.fx.Node) else () for a in node.args[:2]]
+        return any(shape and shape[-1] == 1 for shape in shapes) and self._activation_sized(i)
 
     def _scaled_start(self) -> bool:
         start = self.enc.nodes[0]
