@@ -22,6 +22,15 @@ from .backends import get_backend
 from .decisions import Reason
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+CHECK_DESCRIPTION = """\
+Shows what the arfusion pass does with every all-reduce of a Hugging Face model.
+It prints one table per token count and a one-line verdict.
+It needs no GPU, no torchrun and no download: it runs on a CPU, in one process.
+
+    arfusion check llama                      # a model type: its config class's defaults
+    arfusion check /path/to/model --tp 4      # a local directory with a config.json
+    arfusion check qwen3_moe --tokens 1,8 --quant fp8-dynamic --json check.json
+"""
 
 
 def _tune(args) -> int:
@@ -30,6 +39,15 @@ def _tune(args) -> int:
               "  torchrun --nproc-per-node 4 --no-python arfusion tune --hidden 4096", file=sys.stderr)
         return 2
     local = int(os.environ.get("LOCAL_RANK", 0))
+    if not torch.cuda.is_available():
+        print("arfusion tune: no CUDA GPU here; it times FlashInfer's kernels on NVIDIA GPUs",
+              file=sys.stderr)
+        return 2
+    backend = get_backend("flashinfer")
+    reason = backend if isinstance(backend, Reason) else backend.unavailable(torch.device("cuda", local))
+    if reason:
+        print(f"arfusion tune: FlashInfer cannot run here: {reason}", file=sys.stderr)
+        return 2
     torch.cuda.set_device(local)
     own_group = not dist.is_initialized()
     if own_group:
@@ -44,6 +62,9 @@ def _tune(args) -> int:
                 print(tuning.format_rows(entry))
         if dist.get_rank() == 0:
             print(f"stored in {args.cache or dispatch.cache_path()}")
+    except tuning.CannotTune as e:
+        print(e, file=sys.stderr)
+        return 2
     finally:
         backend = get_backend("flashinfer")
         if not isinstance(backend, Reason):
@@ -103,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("--json", action="store_true", help="also dump the tuned entries")
     table.set_defaults(func=_table)
     chk = sub.add_parser("check", help="what the pass fuses in a Hugging Face model (CPU, one process, no download)",
-                         description=check.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                         description=CHECK_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     chk.add_argument("model", help="a model type of transformers (its config class's defaults), or a local "
                      "directory with a config.json")
     chk.add_argument("--tp", type=int, default=2, help="tensor-parallel size (ranks of the fake process group)")

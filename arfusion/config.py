@@ -107,14 +107,13 @@ class PassConfig:
         self.quantized_allreduce_min_mb = _per_world_mb("quantized_allreduce_min_mb",
                                                         self.quantized_allreduce_min_mb)
         self.plain_max_size_mb = _per_world_mb("plain_max_size_mb", self.plain_max_size_mb)
-        level = self.quantized_allreduce
+        level, named_by, off = self.quantized_allreduce, "quantized_allreduce", "None"
         if level is None and os.environ.get(QUANTIZED_ENV, "").strip():
-            level = os.environ[QUANTIZED_ENV]
+            level, named_by, off = os.environ[QUANTIZED_ENV], f"the environment variable {QUANTIZED_ENV}", "off"
             log.info("arfusion: quantized all-reduce %r from %s", level, QUANTIZED_ENV)
         named = None if level is None or str(level).strip().lower() in _OFF else str(level).strip().lower()
         if named is not None and named not in QUANTIZED_LEVELS:
-            raise ValueError(f"arfusion: quantized_allreduce must be None or one of {QUANTIZED_LEVELS}, "
-                             f"got {level!r}")
+            raise ValueError(f"arfusion: {named_by} must be {off} or one of {QUANTIZED_LEVELS}, got {level!r}")
         self.quantized_allreduce = named
         self.quant_forms = tuple(self.quant_forms)
         unknown = set(self.quant_forms) - set(QUANT_FORMS)

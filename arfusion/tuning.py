@@ -311,6 +311,10 @@ def save_entry(key: str, entry: dict, path: Path) -> None:
 # ----------------------------------------------------------------- tune
 
 
+class CannotTune(RuntimeError):
+    """This GPU or these arguments cannot be tuned; the message says why."""
+
+
 def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int] = DEFAULT_TOKENS,
          group=None, cache: str | os.PathLike | None = None, eps: float = 1e-6, calls: int = 20,
          replays: int = 30, progress: bool = True, quantized: str | None = None, knobs: bool = False) -> dict:
@@ -329,18 +333,18 @@ def tune(hidden: int, dtype: torch.dtype = torch.bfloat16, tokens: Sequence[int]
     device = torch.device("cuda", torch.cuda.current_device())
     backend = get_backend("flashinfer")
     if isinstance(backend, Reason):
-        raise RuntimeError(backend)
+        raise CannotTune(f"arfusion tune: FlashInfer cannot run here: {backend}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     tokens = sorted({t for t in tokens if 1 <= t and t * hidden * itemsize <= dispatch.HARD_MAX_FUSED_BYTES})
     max_bytes = max(tokens) * hidden * itemsize
     probe = Call.of_meta(NORM_SITE, (max(tokens), hidden), dtype, dtype, device, world, group_name)
     reason = backend.why_not(probe, max_bytes) or backend.prepare(probe, max_bytes)
     if reason:
-        raise RuntimeError(f"arfusion tune: FlashInfer cannot run here: {reason}")
+        raise CannotTune(f"arfusion tune: FlashInfer cannot run here: {reason}")
     # Said before minutes of timing: otherwise the op would time its exact fallback as "quantized".
     reason = quantized and backend.codec_why_not(probe, quantized, min_bytes_override=0)
     if reason:
-        raise RuntimeError(f"arfusion tune --quantized {quantized}: {reason}")
+        raise CannotTune(f"arfusion tune --quantized {quantized}: {reason}")
 
     grid = [{}] + dispatch.knob_combinations(dispatch.TUNE_KNOBS) if knobs else []
     norm_fn = compiled_add_rms_norm()

@@ -55,6 +55,15 @@ def test_unknown_key_and_bad_values_are_clear_errors():
         arfusion.PassConfig(quant_forms=("fp8_static", "int4"))
 
 
+def test_a_bad_quantized_level_from_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv("ARFUSION_QUANTIZED_ALLREDUCE", "fp16")
+    with pytest.raises(ValueError, match="the environment variable ARFUSION_QUANTIZED_ALLREDUCE must be off or one "
+                                         r"of \('fp8'.*got 'fp16'"):
+        arfusion.PassConfig()
+    with pytest.raises(ValueError, match="arfusion: quantized_allreduce must be None or one of"):
+        arfusion.PassConfig(quantized_allreduce="fp4")  # the argument's name, not the variable's
+
+
 def test_a_config_from_python_enables_and_a_dict_keeps_its_flag(fake_pg, caplog, monkeypatch):
     """`arfusion.enable(PassConfig(backend="torch"))` fuses, as `enable()` does; a vLLM-style dict
     without the flag leaves fusion off, as vLLM does, and a config that leaves it off says so once."""
@@ -154,6 +163,27 @@ def test_equal_chains_hash_alike():
 def test_disable_without_enable_is_harmless():
     arfusion.disable()
     assert inductor_config.post_grad_custom_post_pass is None
+
+
+# ------------------------------------------------------------------ arfusion tune
+
+
+def test_tune_without_a_gpu_or_flashinfer_says_why_before_the_process_group(monkeypatch, capsys):
+    """Under torchrun on a machine that cannot tune: one line and exit 2, not a trace."""
+    import torch.distributed as dist
+
+    from arfusion import cli
+    from arfusion.decisions import Reason, Why
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["tune", "--hidden", "256"]) == 2
+    assert capsys.readouterr().err == "arfusion tune: no CUDA GPU here; it times FlashInfer's kernels on NVIDIA GPUs\n"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "get_backend", lambda name: Reason(Why.NO_BACKEND, "FlashInfer is not installed"))
+    assert cli.main(["tune", "--hidden", "256"]) == 2
+    assert capsys.readouterr().err == "arfusion tune: FlashInfer cannot run here: FlashInfer is not installed\n"
+    assert not dist.is_initialized()
 
 
 # ------------------------------------------------------------------ cache keys
