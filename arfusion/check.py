@@ -344,6 +344,17 @@ def verdict(model_type: str, reports: list[tuple[int, FusionReport]]) -> str:
     return f"{model_type}: " + "; ".join(f"at {_tokens_word(n)}: {r.verdict}" for n, r in reports)
 
 
+def _unwritable(path: Path) -> str | None:
+    """Why `path` cannot be written, said before minutes of compiling."""
+    if path.is_dir():
+        return "is a directory"
+    if not path.parent.is_dir():
+        return f"no directory {path.parent}"
+    if not os.access(path.parent, os.W_OK):
+        return f"cannot write in {path.parent}"
+    return None
+
+
 def main(args) -> int:
     """`arfusion check` (argparse namespace: model, tp, tokens, quant, json, quiet)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a model type or a local directory: nothing to fetch
@@ -356,6 +367,10 @@ def main(args) -> int:
         return 2
     if args.tp < 2:
         print(f"arfusion check: --tp must be at least 2 (got {args.tp}): one rank has no all-reduce", file=sys.stderr)
+        return 2
+    problem = args.json and _unwritable(Path(args.json))
+    if problem:
+        print(f"arfusion check: --json {args.json}: {problem}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     try:

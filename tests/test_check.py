@@ -200,6 +200,23 @@ def test_a_config_json_that_is_not_json(capsys, monkeypatch, tmp_path):
     assert "config.json" in _bad(capsys, monkeypatch, str(tmp_path))
 
 
+def test_a_json_path_that_cannot_be_written(capsys, monkeypatch, tmp_path):
+    """Said before the model is built, not after minutes of compiling."""
+    monkeypatch.setattr(cli.check, "check", lambda *a, **k: pytest.fail("the model was built"))
+    missing = tmp_path / "missing" / "check.json"
+    assert _bad(capsys, monkeypatch, "llama", "--json", str(missing)) == \
+        f"arfusion check: --json {missing}: no directory {missing.parent}"
+    assert _bad(capsys, monkeypatch, "llama", "--json", str(tmp_path)).endswith(": is a directory")
+
+
+def test_check_help_is_for_users(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["check", "--help"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and "every all-reduce of a Hugging Face model" in out
+    assert "hf_coverage" not in out and "save_random_model" not in out
+
+
 def test_a_tp_size_the_model_cannot_take(capsys, monkeypatch):
     """Llama's 32 heads over TP=3: one line before loading, not Dynamo's trace from compiling."""
     err = _bad(capsys, monkeypatch, "llama", "--tp", "3")
