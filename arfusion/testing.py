@@ -272,18 +272,36 @@ class LogLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+class _Propagate(logging.Handler):
+    """Hands the records at `level` and above to the handlers above `log`, as propagation does."""
+
+    def __init__(self, log: logging.Logger, level: int):
+        super().__init__(level)
+        self.log = log
+
+    def emit(self, record):
+        self.log.parent.callHandlers(record)
+
+
 @contextlib.contextmanager
 def _arfusion_log() -> Iterator[list[str]]:
-    """The `arfusion` logger's INFO lines meanwhile (its level restored afterwards)."""
+    """The `arfusion` logger's INFO lines meanwhile (its level and propagation restored afterwards).
+    The user's handlers get only what the logger's level let through before."""
     log = logging.getLogger("arfusion")
-    handler, level = LogLines(), log.level
+    handler, level, propagate = LogLines(), log.level, log.propagate
+    up = _Propagate(log, log.getEffectiveLevel())
     log.addHandler(handler)
+    if propagate:
+        log.addHandler(up)
     log.setLevel(logging.INFO)
+    log.propagate = False
     try:
         yield handler.lines
     finally:
         log.removeHandler(handler)
+        log.removeHandler(up)
         log.setLevel(level)
+        log.propagate = propagate
 
 
 def _delta(after: dict, before: dict) -> dict:

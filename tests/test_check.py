@@ -370,6 +370,33 @@ class _Block(torch.nn.Module):
         return funcol.all_reduce(y @ y.transpose(-1, -2), "sum", dist.group.WORLD)
 
 
+def test_fusion_report_keeps_its_info_lines_from_the_users_handlers():
+    """As after logging.basicConfig(level=WARNING): the report reads the arfusion logger's INFO
+    lines, the user's handler gets only its warnings; the logger is left as found, also after an error."""
+    from arfusion import testing
+
+    root, log = logging.getLogger(), logging.getLogger("arfusion")
+    users, root_level, level = testing.LogLines(logging.NOTSET), root.level, log.level
+    root.addHandler(users)
+    root.setLevel(logging.WARNING)
+    log.setLevel(logging.NOTSET)
+    try:
+        x, r = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+        report = fusion_report(_Block().to(torch.bfloat16), (x, r))
+        assert report.log and users.lines == [], users.lines
+        with pytest.raises(RuntimeError), testing._arfusion_log() as lines:
+            log.info("arfusion: an info line")
+            log.warning("arfusion: a warning")
+            raise RuntimeError
+        assert lines == ["arfusion: an info line", "arfusion: a warning"]
+        assert users.lines == ["arfusion: a warning"]
+        assert log.propagate and log.level == logging.NOTSET and log.handlers == []
+    finally:
+        root.removeHandler(users)
+        root.setLevel(root_level)
+        log.setLevel(level)
+
+
 def test_fusion_report_makes_a_fake_world_only_where_there_is_none():
     x, r = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
     report = fusion_report(_Block().to(torch.bfloat16), (x, r), world_size=4)
