@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -119,6 +120,10 @@ def main() -> None:
     p.add_argument("--quant", default="none", choices=["none", "fp8-static", "fp8-dynamic", "fp8-group"],
                    help="FP8 activation quant after each norm (fused into the same op)")
     args = p.parse_args()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("compile_hf_model.py: run it under torchrun, one process per rank: "
+              "torchrun --nproc-per-node 2 examples/compile_hf_model.py", file=sys.stderr)
+        sys.exit(2)
 
     use_cuda = torch.cuda.is_available()
     if use_cuda:

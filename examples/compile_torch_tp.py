@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 
 import torch
@@ -208,6 +209,10 @@ def main() -> None:
                         "like the MLP (one all-reduce per expert, which arfusion makes one per layer)")
     p.add_argument("--backend", default="auto", choices=["auto", "flashinfer", "aiter", "torch"])
     args = p.parse_args()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("compile_torch_tp.py: run it under torchrun, one process per rank: "
+              "torchrun --nproc-per-node 2 examples/compile_torch_tp.py", file=sys.stderr)
+        sys.exit(2)
 
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import torch
@@ -43,6 +44,10 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--cuda-graphs", action="store_true", help="transformers' own CUDA graphs (GPUs)")
     args = p.parse_args()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("serve_continuous_batching.py: run it under torchrun, one process per rank: "
+              "torchrun --nproc-per-node 2 examples/serve_continuous_batching.py", file=sys.stderr)
+        sys.exit(2)
 
     cuda = torch.cuda.is_available()
     if cuda:

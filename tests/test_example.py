@@ -38,6 +38,18 @@ def run_example(model_type: str, *extra: str) -> dict:
     return result
 
 
+@pytest.mark.parametrize("name", ["compile_hf_model.py", "compile_torch_tp.py", "serve_continuous_batching.py"])
+def test_an_example_run_without_torchrun_says_how_to_run_it(name):
+    """`python examples/X.py`: one line with the torchrun command and exit 2, not torch's ValueError."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / name)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr[-3000:]
+    assert stderr_for_a_user(done.stderr) == [f"{name}: run it under torchrun, one process per rank: "
+                                              f"torchrun --nproc-per-node 2 examples/{name}"], done.stderr
+
+
 # The example as the README runs it (Llama). Which architectures fuse is the coverage sweep's
 # question, not the example's: Qwen3-MoE (its MoE all-reduces [T, H], viewed back to [B, S, H] before
 # the add), Granite's scaled sites and OLMo2's post-norm are tests/test_hf_coverage.py's rows, through
