@@ -272,27 +272,15 @@ class LogLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-class _Propagate(logging.Handler):
-    """Hands the records at `level` and above to the handlers above `log`, as propagation does."""
-
-    def __init__(self, log: logging.Logger, level: int):
-        super().__init__(level)
-        self.log = log
-
-    def emit(self, record):
-        self.log.parent.callHandlers(record)
-
-
 @contextlib.contextmanager
 def _arfusion_log() -> Iterator[list[str]]:
-    """The `arfusion` logger's INFO lines meanwhile (its level and propagation restored afterwards).
-    The user's handlers get only what the logger's level let through before."""
+    """The `arfusion` logger's INFO lines meanwhile; the user's handlers get what they got before."""
     log = logging.getLogger("arfusion")
     handler, level, propagate = LogLines(), log.level, log.propagate
-    up = _Propagate(log, log.getEffectiveLevel())
+    up = logging.Handler(log.getEffectiveLevel() if propagate else logging.CRITICAL + 1)
+    up.emit = log.parent.callHandlers  # propagation, of what the logger's level let through before
     log.addHandler(handler)
-    if propagate:
-        log.addHandler(up)
+    log.addHandler(up)
     log.setLevel(logging.INFO)
     log.propagate = False
     try:

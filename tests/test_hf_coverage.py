@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "docs" / "data" / "coverage.json"  # the full sweep, at the sweep's default token count
 sys.path.insert(0, str(ROOT / "benchmarks" / "coverage"))
 
+import coverage_report  # noqa: E402
 import hf_coverage  # noqa: E402
 from hf_site_counter import SiteCounter, classify_norms, norm_kind  # noqa: E402
 
@@ -149,7 +150,7 @@ def test_rows_match_the_committed_sweep(sweep, model_type):
 @pytest.mark.multiproc
 def test_table_rows_and_summary(sweep):
     md = sweep["md"]
-    assert hf_coverage.ROW_HEADER in md
+    assert coverage_report.ROW_HEADER in md
     rows = [line for line in md.splitlines() if line.startswith("| `")]
     assert [re.match(r"\| `([^`]+)` \|", line).group(1) for line in rows] == list(SWEEP)
     for line in rows:
@@ -163,7 +164,7 @@ def test_table_rows_and_summary(sweep):
     assert re.search(r"Of their \d+ all-reduces, \d+ fused into sites, \d+ merged into another, \d+ on the fast path, "
                      r"0 left on NCCL", md)
     assert "## How the counter works" in md
-    assert hf_coverage.table_row(sweep["rows"]["llama"]) in md
+    assert coverage_report.table_row(sweep["rows"]["llama"]) in md
 
 
 @pytest.mark.slow
@@ -172,10 +173,10 @@ def test_an_update_keeps_the_sweeps_header_and_names_what_it_reran(sweep, tmp_pa
     first = sweep["data"]["meta"]
     run = {**first, "command": "python benchmarks/coverage/hf_coverage.py --only llama", "date": "2030-01-02 03:04",
            "wall_s": 30.0, "commit": "abc1234"}
-    meta = hf_coverage.with_update(first, run, ["llama"])
-    meta = hf_coverage.with_update(meta, {**run, "commit": "def5678"}, ["olmo2"])
+    meta = coverage_report.with_update(first, run, ["llama"])
+    meta = coverage_report.with_update(meta, {**run, "commit": "def5678"}, ["olmo2"])
     md, js = tmp_path / "c.md", tmp_path / "c.json"
-    hf_coverage.write_reports(sweep["data"]["rows"], md, js, meta)
+    coverage_report.write_reports(sweep["data"]["rows"], md, js, meta)
     text = md.read_text()
     assert f"- date: {first['date']};" in text and f"(commit {first['commit']})" in text
     assert "- rows `llama` rerun: `python benchmarks/coverage/hf_coverage.py --only llama --update`, 2030-01-02 03:04, " \
@@ -190,7 +191,7 @@ def test_the_token_count_is_in_the_header_and_an_update_refuses_another(sweep, t
     """--tokens 1 (a decode step's shape) is named in the header; rows of another token count are
     never mixed into a report (--update refuses, and writes nothing)."""
     md, js = tmp_path / "c.md", tmp_path / "c.json"
-    hf_coverage.write_reports(sweep["data"]["rows"], md, js, {**sweep["data"]["meta"], "tokens": 1})
+    coverage_report.write_reports(sweep["data"]["rows"], md, js, {**sweep["data"]["meta"], "tokens": 1})
     assert "1 × 1 tokens" in md.read_text()
     md.unlink()
     code = hf_coverage.main(["--only", "llama", "--update", "--json", str(js), "--md", str(md), "--tokens", "8",
