@@ -42,12 +42,13 @@ sys.path[:0] = [str(ROOT), str(HERE)]  # the arfusion next to this script, then 
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from hf_coverage import _machine  # noqa: E402
+from coverage_report import run_lines, save_json  # noqa: E402
+from hf_coverage import _machine, chosen_architectures  # noqa: E402
 from hf_site_counter import fmt_counts  # noqa: E402
 
 import arfusion  # noqa: E402
 import arfusion.hf  # noqa: E402
-from arfusion.check import architectures, load_tp_model, save_random_model  # noqa: E402
+from arfusion.check import load_tp_model, save_random_model  # noqa: E402
 from arfusion.hf.configs import tiny_config  # noqa: E402
 from arfusion.testing import describe_rewrites, fake_world, generate_batch  # noqa: E402
 
@@ -271,14 +272,12 @@ all-reduce must be fused, merged or on the fast path, as in a plain forward of t
 
 def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
     s = summary(rows)
-    js.parent.mkdir(parents=True, exist_ok=True)
-    js.write_text(json.dumps({"meta": meta, "summary": s, "rows": rows}, indent=1, default=str) + "\n")
+    save_json(js, meta, s, rows)
     md.parent.mkdir(parents=True, exist_ok=True)
     out = io.StringIO()
     w = out.write
     w("# Coverage under continuous batching: every Hugging Face architecture with a tensor-parallel plan\n\n")
-    w(f"- command: `{meta['command']}`\n- date: {meta['date']}; wall time {meta['wall_s'] / 60:.1f} min\n- torch "
-      f"{meta['torch']}, transformers {meta['transformers']}, arfusion {meta['arfusion']} (commit {meta['commit']})\n"
+    w(run_lines(meta) +
       f"- machine: {meta['machine']}; one process per architecture, TP=2 in `arfusion.testing.fake_world(2)` "
       f"(torch's fake process group: real graphs, collectives compute nothing), fp32, random weights, 2 layers, "
       f"hidden 128; {len(PROMPT_LENGTHS)} prompts of {', '.join(map(str, PROMPT_LENGTHS))} tokens, "
@@ -367,16 +366,9 @@ def sweep(archs: list[str], timeout: float, log_path: Path, show_progress: bool)
 
 
 def driver_main(args) -> int:
-    all_archs = architectures()
-    skipped = {m: why for m, why in all_archs if why}
-    wanted = [m for m, _ in all_archs]
-    if args.only:
-        only = [m.strip() for m in args.only.split(",") if m.strip()]
-        unknown = [m for m in only if m not in wanted]
-        if unknown:
-            print(f"unknown or planless model types: {unknown}", file=sys.stderr)
-            return 2
-        wanted = only
+    if (chosen := chosen_architectures(args.only)) is None:
+        return 2
+    wanted, skipped = chosen
     to_run = [m for m in wanted if m not in skipped]
     print(f"{len(wanted)} architectures ({len(to_run)} to run), timeout {args.timeout:.0f} s each; "
           f"their output in {args.log}", file=sys.stderr)

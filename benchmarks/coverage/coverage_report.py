@@ -59,10 +59,21 @@ def with_update(meta: dict, run: dict, rows: list[str]) -> dict:
     return {**meta, "updates": [*meta.get("updates", []), update]}
 
 
-def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
-    s = summary(rows)
+def save_json(js: Path, meta: dict, s: dict, rows: list[dict]) -> None:
+    """A sweep's JSON: its run (meta), its summary and its rows; the markdown's folder made too."""
     js.parent.mkdir(parents=True, exist_ok=True)
     js.write_text(json.dumps({"meta": meta, "summary": s, "rows": rows}, indent=1, default=str) + "\n")
+
+
+def run_lines(meta: dict) -> str:
+    """The markdown lines that say which command made a sweep, when, and on which versions."""
+    return (f"- command: `{meta['command']}`\n- date: {meta['date']}; wall time {meta['wall_s'] / 60:.1f} min\n- torch "
+            f"{meta['torch']}, transformers {meta['transformers']}, arfusion {meta['arfusion']} (commit {meta['commit']})\n")
+
+
+def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
+    s = summary(rows)
+    save_json(js, meta, s, rows)
     md.parent.mkdir(parents=True, exist_ok=True)
     failed = [r for r in rows if r.get("error")]
     out = io.StringIO()
@@ -72,8 +83,7 @@ def write_reports(rows: list[dict], md: Path, js: Path, meta: dict) -> None:
       f"{s['fully_fused']} fully fused** (of {s['with_sites']} with at least one site; "
       f"{s['failed']} did not complete). Of their {s['all_reduces']} all-reduces, {s['fused']} fused into sites, "
       f"{s['merged']} merged into another, {s['fast_path']} on the fast path, {s['left_nccl']} left on NCCL.\n\n")
-    w(f"- command: `{meta['command']}`\n- date: {meta['date']}; wall time {meta['wall_s'] / 60:.1f} min\n- torch "
-      f"{meta['torch']}, transformers {meta['transformers']}, arfusion {meta['arfusion']} (commit {meta['commit']})\n")
+    w(run_lines(meta))
     for u in meta.get("updates", []):
         w(f"- rows {', '.join(f'`{m}`' for m in u['rows'])} rerun: `{u['command']}`, {u['date']}, "
           f"{u['wall_s'] / 60:.1f} min, torch {u['torch']}, transformers {u['transformers']} (commit {u['commit']})\n")

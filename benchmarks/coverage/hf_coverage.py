@@ -269,17 +269,26 @@ def _machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
 
 
-def driver_main(args) -> int:
+def chosen_architectures(only: str | None) -> tuple[list[str], dict[str, str]] | None:
+    """The model types a sweep covers (all with a TP plan, or `--only`'s comma list) and why some are
+    skipped; None, with a line to stderr, where --only names a type without a plan."""
     all_archs = architectures()
     skipped = {m: why for m, why in all_archs if why}
     wanted = [m for m, _ in all_archs]
-    if args.only:
-        only = [m.strip() for m in args.only.split(",") if m.strip()]
-        unknown = [m for m in only if m not in wanted]
+    if only:
+        picked = [m.strip() for m in only.split(",") if m.strip()]
+        unknown = [m for m in picked if m not in wanted]
         if unknown:
             print(f"unknown or planless model types: {unknown}", file=sys.stderr)
-            return 2
-        wanted = only
+            return None
+        wanted = picked
+    return wanted, skipped
+
+
+def driver_main(args) -> int:
+    if (chosen := chosen_architectures(args.only)) is None:
+        return 2
+    wanted, skipped = chosen
     to_run = [m for m in wanted if m not in skipped]
     # --update: rerun some rows of an existing report, keep the others
     report = json.loads(Path(args.json).read_text()) if args.update else {"rows": []}
