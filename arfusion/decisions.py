@@ -42,6 +42,8 @@ class Why(str, Enum):
     NOT_RMS = "not_rms"  # computes nothing like all_reduce [+ residual] -> RMSNorm
     ROUNDING = "rounding"  # an RMSNorm that rounds unlike the fused kernels
     BOUNDED = "bounded"  # a clamp / min / max / where on the hidden states before the norm
+    QUANT_BOUNDED = "quant_bounded"  # (a note: the site fuses, its quant stays outside) the quant acts unlike its form
+    # beyond the probe's ordinary rows: a floor or ceiling on its scale, a clamp on a static scale
     OTHER_INPUTS = "other_inputs"  # the norm reads tensors of another role
     RESIDUAL_TERMS = "residual_terms"  # too many activation-sized terms
     NORM_INPUTS = "norm_inputs"  # more than one weight or scalar

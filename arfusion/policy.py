@@ -179,6 +179,9 @@ def _fused_op(variant: Site, found: Found, scope: Scope, backend: Backend) -> tu
     kernel_refusal = backend.why_not(call, caps.fused) if path is Route.CODEC else None
     if kernel_refusal:
         notes.append(f"rewritten for the {codec} quantized all-reduce (fused kernel: {kernel_refusal})")
+    refused = variant.plan.quant.refused if variant.plan.quant is not None else None
+    if refused is not None:
+        notes.append(f"quant not fused ({refused.code.value}): {refused}")
     region = variant.region
     if region.scaled:
         factor = region.input_scale

@@ -41,6 +41,12 @@ EPS_TENSOR_PROBES = (1e-5, 3e-3)  # values tried for an eps that is a graph inpu
 # A static FP8 scale (or NVFP4 global scale) that is a graph input: small enough that the
 # largest probe values saturate FP8 (so a clamp to another range shows).
 QUANT_SCALE_PROBE = 0.004
+# Beyond the ordinary rows: the tail is also run on norm outputs whose rows span these magnitudes
+# (log10), at each of these scales, and must still compute its form where the form's own floor does
+# not act. A floor above the kernels' or a ceiling on a per-token scale (torchao's activation_value_lb
+# / _ub), or a clamp on a static scale, shows there; the fused op would drop it.
+QUANT_SPAN_LOG10 = (-3.0, 4.0)
+QUANT_SCALE_CHECKS = (QUANT_SCALE_PROBE, 1e-5, 4.0)
 
 # MoE top-k combine in front of the all-reduce (`moe_combine`): probed on this many tokens, with
 # the graph's own K and hidden size. Exact mathematics to MATH_RTOL; with the graph's dtypes the

@@ -13,10 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from .. import quant as quant_ref
+from ..decisions import Reason, Why
 from ..graph_utils import FP8_DTYPES, value
 from . import forms
-from .probe import ProbeError, Prober
+from .probe import Probe, ProbeError, Prober
 from .region import ancestors_within
+
+
+BOUNDED_MESSAGE = ("the quant after the norm computes {form} on ordinary rows but not at other magnitudes or "
+                   "scales (a floor or ceiling on its scale, a clamp on a static scale, that the fused kernels do "
+                   "not have): it stays outside the fused op")
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class QuantPlan:
     emit_norm: bool  # the norm output is also read elsewhere
     nodes: frozenset[int]  # local ids absorbed with the quant
     exits: tuple[tuple[int, str], ...]  # (local id, role) read from outside
+    refused: Reason | None = None  # form "none": a tail of a form's shape left outside, and why
 
 
 def find(prober: Prober, quant_forms: tuple[str, ...], *, norm_out: int, node_ids: frozenset[int],
@@ -62,14 +69,71 @@ def find(prober: Prober, quant_forms: tuple[str, ...], *, norm_out: int, node_id
         env = prober.run(node_ids | ids, probe, exact=False)
     except ProbeError:
         return None
+    bounded = None
     for form in quant_forms:
         for inverted in (False, True) if scale_root is not None else (False,):
             roles = _roles(prober, form, env[out], probe, scale_root, inverted, exits, env)
-            if roles is not None:
-                return QuantPlan(form=form, scale_input=scale_root, scale_inverted=inverted,
-                                 emit_norm=emit_norm, nodes=ids,
-                                 exits=tuple((enc.local[n], r) for n, r in zip(exits, roles)))
-    return None
+            if roles is None:
+                continue
+            if not _holds_beyond_the_probe(prober, form, out, ids, scale_root, inverted, exits, roles):
+                bounded = bounded or form
+                continue
+            return QuantPlan(form=form, scale_input=scale_root, scale_inverted=inverted,
+                             emit_norm=emit_norm, nodes=ids,
+                             exits=tuple((enc.local[n], r) for n, r in zip(exits, roles)))
+    if bounded is None:
+        return None
+    # The tail stays outside; a plan of form "none" carries why, for the log (policy's notes).
+    return QuantPlan(form="none", scale_input=None, scale_inverted=False, emit_norm=True, nodes=frozenset(),
+                     exits=(), refused=Reason(Why.QUANT_BOUNDED, BOUNDED_MESSAGE.format(form=bounded)))
+
+
+def _holds_beyond_the_probe(prober: Prober, form, out, ids, scale_root, inverted, exits, roles) -> bool:
+    """Whether the tail still computes `form` on norm outputs spanning magnitudes (`forms.QUANT_SPAN_LOG10`)
+    and, for a scale input, at each of `forms.QUANT_SCALE_CHECKS`: a floor or ceiling on a per-token
+    scale, or a clamp on a static scale, is the identity on the ordinary rows at one scale. Compared on
+    the rows where the form's own floor does not act (`_floor_free_rows`)."""
+    enc = prober.enc
+    gen = torch.Generator().manual_seed(forms.PROBE_SEED + 1)
+    magnitudes = torch.logspace(*forms.QUANT_SPAN_LOG10, forms.PROBE_ROWS, dtype=torch.float64).unsqueeze(-1)
+    normed64 = torch.randn(forms.PROBE_ROWS, prober.hidden, generator=gen, dtype=torch.float64) * magnitudes
+    try:
+        normed, normed_exact = prober._probe_value(normed64, out, True)
+    except ProbeError:
+        return False
+    rows = _floor_free_rows(prober.rows(normed).float(), form)
+    fp8 = next((value(n).dtype for n in exits if value(n).dtype in FP8_DTYPES), None)
+    for scale in forms.QUANT_SCALE_CHECKS if scale_root is not None else (None,):
+        probe = Probe({out: normed}, {out: normed_exact})
+        scale_in = None
+        if scale_root is not None:
+            root = enc.nodes[scale_root]
+            probe.real[root], probe.exact[root] = prober._probe_value(torch.tensor(scale, dtype=torch.float64),
+                                                                      root, False)
+            scale_in = probe.real[root].float()
+            scale_in = 1.0 / scale_in if inverted else scale_in
+        try:
+            env = prober.run(ids, probe, exact=False)
+            ref = quant_ref.quantize(normed, form, scale_in, fp8_dtype=fp8)
+        except (ProbeError, RuntimeError, ValueError):
+            return False
+        wanted = {"quant": ref["quant"], **({"scale": ref["scale"]} if "scale" in ref else {})}
+        if "scale" in ref and form != "nvfp4":
+            wanted["inv_scale"] = 1.0 / ref["scale"]
+        if not all(_same_values(env[n], wanted[r], r, form, rows) for n, r in zip(exits, roles)):
+            return False
+    return True
+
+
+def _floor_free_rows(normed: torch.Tensor, form: str) -> torch.Tensor:
+    """The rows (of a [PROBE_ROWS, H] norm output) where the form's own floor on its scales does not
+    act: there every spelling of the form agrees, whatever floor it writes below the kernels'."""
+    rows = normed.reshape(forms.PROBE_ROWS, -1).abs()
+    if form == "fp8_dynamic":
+        return rows.amax(-1) > 2 * quant_ref.MIN_DYNAMIC_SCALE_TIMES_FMAX
+    if form == "fp8_group":
+        return rows.unflatten(-1, (-1, quant_ref.GROUP_SIZE)).amax(-1).amin(-1) > 2 * quant_ref.MIN_GROUP_AMAX
+    return torch.ones(forms.PROBE_ROWS, dtype=torch.bool)
 
 
 def _roles(prober: Prober, form, normed, probe, scale_root, inverted, exits, env) -> list[str] | None:
@@ -103,11 +167,11 @@ def _roles(prober: Prober, form, normed, probe, scale_root, inverted, exits, env
     return roles if roles.count("quant") == 1 and len(set(roles)) == len(roles) else None
 
 
-def _same_values(got: torch.Tensor, want: torch.Tensor, role: str, form: str) -> bool:
-    """Equal under the quant part of the rule, on the probe's ordinary rows."""
+def _same_values(got: torch.Tensor, want: torch.Tensor, role: str, form: str, rows=None) -> bool:
+    """Equal under the quant part of the rule, on `rows` of the probe (its ordinary rows by default)."""
     if not isinstance(got, torch.Tensor) or got.numel() != want.numel() or got.dtype != want.dtype:
         return False
-    rows = forms.ordinary_rows()
+    rows = forms.ordinary_rows() if rows is None else rows
     g = got.reshape(forms.PROBE_ROWS, -1)[rows]
     w = want.reshape(forms.PROBE_ROWS, -1)[rows]
     if form == "nvfp4":  # bit for bit, as torchao
