@@ -55,6 +55,7 @@ class Why(str, Enum):
     SEQUENCE_PARALLEL = "sequence_parallel"  # a reduce-scatter: only all_reduce sites fuse
     MERGED = "merged"  # folded into another all-reduce (MERGED's reason: into what)
     # The rewrite.
+    PER_RANK = "per_rank"  # a move across an all-reduce declined: an operand may differ per rank (a weight shard)
     SYMBOLIC_SHAPE = "symbolic_shape"  # a symbolic size between all-reduce and norm cannot be named
     OUTPUT_DTYPE = "output_dtype"  # an op output would replace a value of another dtype
     PASS_FAILED = "pass_failed"  # arfusion raised on the graph and put it back (a bug of ours)

@@ -25,9 +25,12 @@ starting at the product hands f to the fused op, so a site left unfused keeps th
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..decisions import Why
 from ..graph_utils import WAIT, Builder, same_shape, value
 from ..runtime import same_ranks
 from .reduced import (MOVES, REGROUPINGS, into_residual_stream, reduced_source, reduced_term,
@@ -36,6 +39,7 @@ from .region import CONVERT, by_a_number, is_add, widened_sum
 from .scaled import distribute_a_factor
 
 aten = torch.ops.aten
+log = logging.getLogger("arfusion")
 
 
 def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
@@ -181,7 +185,8 @@ def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> boo
     AR(x) must stay after the collective). g must also be the same on every rank, which the gate
     rule decides (the product goes into the residual stream), and the product may not be larger
     than what was all-reduced: the collective moves after the matmul only where that does not
-    grow it."""
+    grow it. And the contraction must run over the stack (`_over_the_stack`): a weight computed in
+    the graph (a cast, a dequant) is a column shard too."""
     if node.target not in (aten.mm.default, aten.bmm.default) or node.kwargs:
         return False
     for i, operand in enumerate(node.args):
@@ -189,9 +194,12 @@ def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> boo
         if found is None or reduced_source(node.args[1 - i], MOVES) is not None:
             continue
         all_reduce, x, chain = found
-        if x.target is not aten.cat.default or _a_graph_input(node.args[1 - i]) \
-                or value(node).dtype != value(x).dtype or not into_residual_stream(node) \
-                or not statically_known_true(value(node).numel() <= value(x).numel()):
+        if x.target is not aten.cat.default or value(node).dtype != value(x).dtype \
+                or not into_residual_stream(node) or not statically_known_true(value(node).numel() <= value(x).numel()):
+            return False
+        if _a_graph_input(node.args[1 - i]) or not _over_the_stack(x, node):
+            _declined(node, all_reduce, "its other operand may be a weight shard, different on each rank (a "
+                      "column-parallel projection): only a weighted sum over stacked all-reduces moves")
             return False
         build = Builder(graph, node)
         moved = x
@@ -203,6 +211,23 @@ def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> boo
                                  [*chain, all_reduce])
         return True
     return False
+
+
+def _over_the_stack(x: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether mm/bmm `node` contracts over the all-reduces that `x` concatenates, as a weighted
+    sum over stacked experts does: a contraction as long as their count, and not as long as their
+    last dim. A weight that the graph computes (an fp32 master weight cast, a dequant) contracts
+    over the features instead, a column-parallel projection: the collective stays before it."""
+    k, n = value(node.args[0]).shape[-1], len(x.args[0])
+    return statically_known_true(k == n) and not any(statically_known_true(value(s).shape[-1] == n)
+                                                     for s in x.args[0])
+
+
+def _declined(node: torch.fx.Node, all_reduce: torch.fx.Node, why: str) -> None:
+    """One INFO line per declined rewrite (`merge` sweeps the graph until nothing changes)."""
+    if not node.meta.get("arfusion_declined"):
+        node.meta["arfusion_declined"] = True
+        log.info("arfusion: %s not moved before %s (%s): %s", node.name, all_reduce.name, Why.PER_RANK.value, why)
 
 
 def _a_graph_input(node: torch.fx.Node) -> bool:
