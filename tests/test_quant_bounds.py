@@ -65,3 +65,18 @@ def test_a_floor_at_or_below_the_kernels_still_fuses(fake_pg, amax_lb):
     fused, left, actual, expected, _ = run(site)
     assert left == 0 and fused[0]["quant"] == "fp8_dynamic"
     assert_matches_eager(actual, expected)
+
+
+@pytest.mark.parametrize("limit", [420.0, 416.0])
+def test_a_clamp_one_step_below_the_fp8_max_is_no_fp8_cast(fake_pg, limit):
+    """Its saturated codes are one FP8 step below the type's max (416, not 448): within the step the
+    rule allows a rounded scale, but on every saturated element, not a rare one."""
+    def clamped(self, y):
+        return ((y / self.scale).clamp(-limit, limit).to(FP8),)
+
+    site = Site(NORMS["hf_llama"][0], quant=clamped)
+    site.scale.fill_(0.004)  # the clamp acts on these inputs
+    fused, left, actual, expected, _ = run(site)
+    assert left == 0 and fused[0]["quant"] == "none"
+    assert_matches_eager(actual, expected)
+    assert actual[0].float().abs().max() == 416
