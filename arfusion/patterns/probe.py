@@ -118,7 +118,7 @@ class Prober:
             return "vector"
         return "scalar" if numel == 1 else "other"
 
-    def _probe_value(self, values64: torch.Tensor, node: torch.fx.Node, carries_tokens: bool):
+    def probe_value(self, values64: torch.Tensor, node: torch.fx.Node, carries_tokens: bool):
         shape = hinted_shape(node)
         if carries_tokens:
             shape = probe_shape(shape, self.tokens, forms.PROBE_ROWS)
@@ -136,7 +136,7 @@ class Prober:
         for i, values64, carries_tokens in given:
             if i is not None:
                 node = self.enc.nodes[i]
-                probe.real[node], probe.exact[node] = self._probe_value(values64, node, carries_tokens)
+                probe.real[node], probe.exact[node] = self.probe_value(values64, node, carries_tokens)
         return probe
 
     def run(self, site_ids, probe: Probe, exact: bool) -> dict:

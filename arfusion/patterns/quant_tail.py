@@ -98,7 +98,7 @@ def _holds_beyond_the_probe(prober: Prober, form, out, ids, scale_root, inverted
     magnitudes = torch.logspace(*forms.QUANT_SPAN_LOG10, forms.PROBE_ROWS, dtype=torch.float64).unsqueeze(-1)
     normed64 = torch.randn(forms.PROBE_ROWS, prober.hidden, generator=gen, dtype=torch.float64) * magnitudes
     try:
-        normed, normed_exact = prober._probe_value(normed64, out, True)
+        normed, normed_exact = prober.probe_value(normed64, out, True)
     except ProbeError:
         return False
     rows = _floor_free_rows(prober.rows(normed).float(), form)
@@ -108,7 +108,7 @@ def _holds_beyond_the_probe(prober: Prober, form, out, ids, scale_root, inverted
         scale_in = None
         if scale_root is not None:
             root = enc.nodes[scale_root]
-            probe.real[root], probe.exact[root] = prober._probe_value(torch.tensor(scale, dtype=torch.float64),
+            probe.real[root], probe.exact[root] = prober.probe_value(torch.tensor(scale, dtype=torch.float64),
                                                                       root, False)
             scale_in = probe.real[root].float()
             scale_in = 1.0 / scale_in if inverted else scale_in
