@@ -110,12 +110,13 @@ class Decision:
     not_fused: Reason | None = None
     not_fast: Reason | None = None
     graph_break: str = ""  # the function whose graph break put the norm in another graph (Why.GRAPH_BREAK)
+    quant_outside: Reason | None = None  # FUSED: why a quant after the norm stayed outside the op (QUANT_BOUNDED)
 
     @property
     def detail(self) -> str:
         """One line for people: the form, or why not (and why not on the fast path)."""
         if self.fate is Fate.FUSED:
-            return self.form
+            return self.form if self.quant_outside is None else f"{self.form}; {self.quant_outside}"
         parts = [f"{self.backend}; not fused: {self.not_fused}" if self.fate is Fate.FAST_PATH
                  else str(self.not_fused or "")]
         if self.not_fast is not None:
@@ -129,4 +130,5 @@ class Decision:
                 "reason": self.not_fused.message if self.not_fused else None,
                 "fast_path_code": self.not_fast.code.value if self.not_fast else None,
                 "fast_path_reason": self.not_fast.message if self.not_fast else None,
-                "graph_break": self.graph_break, "detail": self.detail}
+                "graph_break": self.graph_break, "detail": self.detail,
+                "quant_outside_code": self.quant_outside.code.value if self.quant_outside else None}

@@ -135,6 +135,7 @@ class FusedOp:
     args: dict
     combine: Combine | None = None
     notes: tuple[str, ...] = ()
+    quant_outside: Reason | None = None  # why the site's quant tail stays outside the op (its decision says so)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def _fused_op(variant: Site, found: Found, scope: Scope, backend: Backend) -> tu
                          + (f", with its factor {combine.routed_scale:g}" if combine.routed_scale != 1.0 else ""))
     elif found.no_combine and config.fuse_moe_combine and _sums_experts(variant):
         notes.append(f"no MoE top-k combine fused: {found.no_combine}")
-    return FusedOp(variant, _op_args(config, caps, codec), combine, tuple(notes)), None
+    return FusedOp(variant, _op_args(config, caps, codec), combine, tuple(notes), refused), None
 
 
 def decide(found: Found, scope: Scope) -> Choice:
@@ -233,7 +234,7 @@ def _sums_experts(site: Site) -> bool:
 
 def fused(found: Found, op: FusedOp) -> Choice:
     """The decision once `op` (one of decide's variants) is in the graph."""
-    return Choice(Decision(found.all_reduce.name, Fate.FUSED, form=op.site.form.name))
+    return Choice(Decision(found.all_reduce.name, Fate.FUSED, form=op.site.form.name, quant_outside=op.quant_outside))
 
 
 def _split_by_graph_break(no_site: NoSite) -> tuple[Reason, str]:

@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 
+import arfusion.stats
 from arfusion.decisions import Why
 
 from .sites import FMAX, FP8, NORMS, Site, assert_matches_eager, run
@@ -57,6 +58,9 @@ def test_a_bound_the_kernel_lacks_keeps_the_quant_outside(fake_pg, caplog, name)
     assert left == 0 and len(fused) == 1 and fused[0]["quant"] == "none", fused
     assert_matches_eager(actual, expected)
     assert Why.QUANT_BOUNDED.value in caplog.text
+    last = arfusion.stats.decisions()[-1]  # the site's decision says it too, by code
+    assert last["fate"] == "fused" and last["quant_outside_code"] == Why.QUANT_BOUNDED.value, last
+    assert "stays outside the fused op" in last["detail"], last
 
 
 @pytest.mark.parametrize("amax_lb", [1e-12, 1 / 512])
