@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import arfusion.stats
-from arfusion.decisions import Why
+from arfusion.decisions import Fate, Why
 
 from .sites import FMAX, FP8, NORMS, Site, assert_matches_eager, run
 
@@ -59,8 +59,9 @@ def test_a_bound_the_kernel_lacks_keeps_the_quant_outside(fake_pg, caplog, name)
     assert_matches_eager(actual, expected)
     assert Why.QUANT_BOUNDED.value in caplog.text
     last = arfusion.stats.decisions()[-1]  # the site's decision says it too, by code
-    assert last["fate"] == "fused" and last["quant_outside_code"] == Why.QUANT_BOUNDED.value, last
-    assert "stays outside the fused op" in last["detail"], last
+    decision = last["decision"]
+    assert decision.fate is Fate.FUSED and decision.quant_outside.code is Why.QUANT_BOUNDED, last
+    assert last["quant_outside_code"] == Why.QUANT_BOUNDED.value and str(decision.quant_outside) in last["detail"]
 
 
 @pytest.mark.parametrize("amax_lb", [1e-12, 1 / 512])
