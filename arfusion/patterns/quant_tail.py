@@ -105,21 +105,16 @@ def _holds_beyond_the_probe(prober: Prober, form, out, ids, scale_root, inverted
     fp8 = next((value(n).dtype for n in exits if value(n).dtype in FP8_DTYPES), None)
     for scale in forms.QUANT_SCALE_CHECKS if scale_root is not None else (None,):
         probe = Probe({out: normed}, {out: normed_exact})
-        scale_in = None
         if scale_root is not None:
             root = enc.nodes[scale_root]
             probe.real[root], probe.exact[root] = prober.probe_value(torch.tensor(scale, dtype=torch.float64),
                                                                       root, False)
-            scale_in = probe.real[root].float()
-            scale_in = 1.0 / scale_in if inverted else scale_in
         try:
             env = prober.run(ids, probe, exact=False)
-            ref = quant_ref.quantize(normed, form, scale_in, fp8_dtype=fp8)
+            ref = quant_ref.quantize(normed, form, _scale_in(prober, probe, scale_root, inverted), fp8_dtype=fp8)
         except (ProbeError, RuntimeError, ValueError):
             return False
-        wanted = {"quant": ref["quant"], **({"scale": ref["scale"]} if "scale" in ref else {})}
-        if "scale" in ref and form != "nvfp4":
-            wanted["inv_scale"] = 1.0 / ref["scale"]
+        wanted = _wanted(ref, form)
         if not all(_same_values(env[n], wanted[r], r, form, rows) for n, r in zip(exits, roles)):
             return False
     return True
@@ -136,14 +131,29 @@ def _floor_free_rows(normed: torch.Tensor, form: str) -> torch.Tensor:
     return torch.ones(forms.PROBE_ROWS, dtype=torch.bool)
 
 
+def _scale_in(prober: Prober, probe: Probe, scale_root, inverted: bool) -> torch.Tensor | None:
+    """The static scale the op would take, as the probe set its graph input (None: no scale input)."""
+    if scale_root is None:
+        return None
+    scale = probe.real[prober.enc.nodes[scale_root]].float()
+    return 1.0 / scale if inverted else scale
+
+
+def _wanted(ref: dict, form: str) -> dict:
+    """The values a tail of `form` may hand out, by role, from the reference quant `ref`."""
+    wanted = {"quant": ref["quant"]}
+    if "scale" in ref:
+        wanted["scale"] = ref["scale"]
+        if form != "nvfp4":
+            wanted["inv_scale"] = 1.0 / ref["scale"]
+    return wanted
+
+
 def _roles(prober: Prober, form, normed, probe, scale_root, inverted, exits, env) -> list[str] | None:
     """Each exit's role if the tail computes `form` from `normed` (None if it does not)."""
     if (scale_root is not None) != (form == "fp8_static") and form != "nvfp4":
         return None
-    scale_in = None
-    if scale_root is not None:
-        scale_in = probe.real[prober.enc.nodes[scale_root]].float()
-        scale_in = 1.0 / scale_in if inverted else scale_in
+    scale_in = _scale_in(prober, probe, scale_root, inverted)
     fp8 = None
     if form != "nvfp4":
         fp8 = next((value(n).dtype for n in exits if value(n).dtype in FP8_DTYPES), None)
@@ -153,11 +163,7 @@ def _roles(prober: Prober, form, normed, probe, scale_root, inverted, exits, env
         ref = quant_ref.quantize(normed, form, scale_in, fp8_dtype=fp8)
     except Exception:  # e.g. hidden not a multiple of the group
         return None
-    wanted = {"quant": ref["quant"]}
-    if "scale" in ref:
-        wanted["scale"] = ref["scale"]
-        if form != "nvfp4":
-            wanted["inv_scale"] = 1.0 / ref["scale"]
+    wanted = _wanted(ref, form)
     roles = []
     for node in exits:
         role = next((r for r, want in wanted.items() if _same_values(env[node], want, r, form)), None)
