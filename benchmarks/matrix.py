@@ -9,7 +9,8 @@
 after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host; stages joined by ">" run one
 after another in their lane (quantized2@2,3>moe2@2,3 beside site2@0,1). A stage may set variables after ":"
 (generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl runs it with that transformers,
-installed apart; TRANSFORMERS_DEPS=.whl/hub adds that folder's wheels: 5.25 needs huggingface_hub 2.4).
+installed apart; TRANSFORMERS_DEPS=.whl/hub adds that folder's wheels: 5.25 needs huggingface_hub 2.4;
+benchmarks/device/stage_transformers.py stages both).
 Each stage runs under its own limit, cut to what is left of --deadline, and writes its JSON and log under
 --out/STAGE (the folder's name adds the stage's variables and arguments). Off and on run in one
 process (serving: in two stages at once on two GPU pairs, or back to back on the same warm host), so every

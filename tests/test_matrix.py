@@ -302,3 +302,31 @@ def test_a_carried_transformers_goes_in_with_the_wheels_of_its_deps_folder(tmp_p
     assert installs[1][-1] == wheel  # the wheel alone
     assert env["PYTHONPATH"].startswith("/tmp/transformers-transformers-9.9.9-py3-none-any:")
     assert env["USE_HUB_KERNELS"] == "0"
+
+
+def test_a_staged_transformers_wheel_leaves_out_only_what_is_never_imported(tmp_path):
+    """benchmarks/device/stage_transformers.py repacks the wheel to fit a device call's 64 MiB: each
+    model's modular_ file and image/video processors go, with their RECORD lines; the modeling files,
+    the auto classes (image_processing_auto among them) and everything outside models/ stay."""
+    sys.path.insert(0, str(BENCH / "device"))
+    import stage_transformers
+    sys.path.remove(str(BENCH / "device"))
+    import zipfile
+
+    keep = ["transformers/__init__.py", "transformers/models/llama/modeling_llama.py",
+            "transformers/models/auto/image_processing_auto.py", "transformers/image_processing_utils.py",
+            "transformers/models/llama/configuration_llama.py"]
+    drop = ["transformers/models/llama/modular_llama.py", "transformers/models/gemma3/image_processing_gemma3.py",
+            "transformers/models/qwen2_vl/video_processing_qwen2_vl.py"]
+    record = "transformers-9.9.9.dist-info/RECORD"
+    wheel = tmp_path / "transformers-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in keep + drop:
+            z.writestr(name, "x = 1\n" * 100)
+        z.writestr(record, "".join(f"{n},sha256=0,600\n" for n in keep + drop) + f"{record},,\n")
+    n, size = stage_transformers.slim(wheel, tmp_path / "slim.whl")
+    with zipfile.ZipFile(tmp_path / "slim.whl") as z:
+        names = z.namelist()
+        lines = [line.split(",")[0] for line in z.read(record).decode().splitlines()]
+    assert n == len(drop) and size == (tmp_path / "slim.whl").stat().st_size
+    assert sorted(names) == sorted(keep + [record]) and sorted(lines) == sorted(keep + [record])

@@ -19,6 +19,7 @@ stage() {
 
 TORCHRUN="python -m torch.distributed.run --nproc-per-node"
 # TRANSFORMERS_WHEEL=path: run the stages with that transformers (carried in .whl/), not the machine's.
+# Stage it once on the CPU machine: python benchmarks/device/stage_transformers.py 5.25.0
 if [ -n "${TRANSFORMERS_WHEEL:-}" ]; then
   tf_dir=/tmp/transformers-$(basename "$TRANSFORMERS_WHEEL" .whl)
   # TRANSFORMERS_DEPS=folder: its wheels go in too (transformers >= 5.25 needs huggingface_hub 2.4)
