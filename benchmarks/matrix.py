@@ -9,8 +9,8 @@
 after "@" (default: the first ones), so two 2-GPU stages share a 4-GPU host; stages joined by ">" run one
 after another in their lane (quantized2@2,3>moe2@2,3 beside site2@0,1). A stage may set variables after ":"
 (generate2@2,3:TRANSFORMERS_WHEEL=.whl/transformers-5.24.0-py3-none-any.whl runs it with that transformers,
-installed apart; TRANSFORMERS_DEPS=.whl/hub adds that folder's wheels: 5.25 needs huggingface_hub 2.4;
-benchmarks/device/stage_transformers.py stages both).
+installed apart; TRANSFORMERS_DEPS=.whl/hub adds that folder's wheels; a .tar.xz that
+benchmarks/device/stage_transformers.py made, transformers 5.25 with its huggingface_hub 2.4, is unpacked).
 Each stage runs under its own limit, cut to what is left of --deadline, and writes its JSON and log under
 --out/STAGE (the folder's name adds the stage's variables and arguments). Off and on run in one
 process (serving: in two stages at once on two GPU pairs, or back to back on the same warm host), so every
@@ -69,11 +69,17 @@ def parse_spec(spec: str) -> tuple[str, list[int] | None, dict, list[str]]:
     return name, devices, {k: v for k, v in pairs if not k.startswith("--")}, args
 
 
+def carried_name(path: str) -> str:
+    """A carried transformers by its file name: 'transformers-5.25.0' for .whl/transformers-5.25.0.tar.xz."""
+    name = Path(path).name
+    return name.removesuffix(".tar.xz") if name.endswith(".tar.xz") else Path(name).stem
+
+
 def stage_folder(name: str, args: list[str], env: dict | None = None) -> str:
     """The stage's results folder: its name, its variables (a wheel by its file name) and its extra
     arguments, so that two runs of one stage (serve2 off and on at once, moe2 with and without the
     MoE finalize kernel) write apart."""
-    sets = [f"{k}{Path(v).stem if k == 'TRANSFORMERS_WHEEL' else v}" for k, v in (env or {}).items()]
+    sets = [f"{k}{carried_name(v) if k == 'TRANSFORMERS_WHEEL' else v}" for k, v in (env or {}).items()]
     return "_".join([name] + [re.sub(r"[^A-Za-z0-9.]+", "", a) for a in sets + args])
 
 
@@ -97,12 +103,18 @@ def stage_env(devices: list[int] | None, extra: dict) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     wheel = extra.pop("TRANSFORMERS_WHEEL", None)
     if wheel:  # that transformers, installed apart, ahead of the machine's
-        target = Path("/tmp") / f"transformers-{Path(wheel).stem}"
+        target = Path("/tmp") / f"transformers-{carried_name(wheel)}"
         # transformers >= 5.25 needs a huggingface_hub newer than the machines': TRANSFORMERS_DEPS
-        # names a folder of wheels (it and its own) that go in with it.
+        # names a folder of wheels (it and its own) that go in with it; stage_transformers.py's
+        # tarball holds them already.
         folder = extra.pop("TRANSFORMERS_DEPS", None)
         deps = sorted(str(p) for p in Path(folder).glob("*.whl")) if folder else []
-        if not target.exists():
+        if target.exists():
+            pass
+        elif wheel.endswith(".tar.xz"):
+            target.mkdir(parents=True)
+            subprocess.run(["tar", "xJf", wheel, "-C", str(target)], check=True)
+        else:
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
                             str(target), wheel, *deps], check=True)
         env["PYTHONPATH"] = f"{target}:{env.get('PYTHONPATH', '')}"

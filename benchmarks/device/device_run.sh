@@ -21,11 +21,15 @@ TORCHRUN="python -m torch.distributed.run --nproc-per-node"
 # TRANSFORMERS_WHEEL=path: run the stages with that transformers (carried in .whl/), not the machine's.
 # Stage it once on the CPU machine: python benchmarks/device/stage_transformers.py 5.25.0
 if [ -n "${TRANSFORMERS_WHEEL:-}" ]; then
-  tf_dir=/tmp/transformers-$(basename "$TRANSFORMERS_WHEEL" .whl)
-  # TRANSFORMERS_DEPS=folder: its wheels go in too (transformers >= 5.25 needs huggingface_hub 2.4)
-  [ -d "$tf_dir" ] || python -m pip install -q --no-deps --no-compile --target "$tf_dir" "$TRANSFORMERS_WHEEL" \
+  tf_dir=/tmp/transformers-$(basename "$(basename "$TRANSFORMERS_WHEEL" .whl)" .tar.xz)
+  # TRANSFORMERS_DEPS=folder: its wheels go in too (transformers >= 5.25 needs huggingface_hub 2.4);
+  # a .tar.xz from stage_transformers.py holds them already and is unpacked
+  if [ -d "$tf_dir" ]; then :
+  elif [[ "$TRANSFORMERS_WHEEL" == *.tar.xz ]]; then mkdir -p "$tf_dir" && tar xJf "$TRANSFORMERS_WHEEL" -C "$tf_dir"
+  else python -m pip install -q --no-deps --no-compile --target "$tf_dir" "$TRANSFORMERS_WHEEL" \
     ${TRANSFORMERS_DEPS:+"$TRANSFORMERS_DEPS"/*.whl}
-  export PYTHONPATH="$tf_dir:$PYTHONPATH" USE_HUB_KERNELS="${USE_HUB_KERNELS:-0}"
+  fi
+  export PYTHONPATH="$tf_dir${PYTHONPATH:+:$PYTHONPATH}" USE_HUB_KERNELS="${USE_HUB_KERNELS:-0}"
 fi
 TF_TAG=$(python -c "import transformers; print(transformers.__version__)" 2>/dev/null)
 CB_MODELS="${CB_MODELS:-llama,qwen3_moe,aria_text,gemma3_text}"

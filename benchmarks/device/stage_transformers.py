@@ -1,15 +1,14 @@
 """Once, on the CPU machine, from the project root: stage a transformers release for the GPU machines
 (no network there), small enough to travel with .device and .fa3 (a device call carries 64 MiB).
 
-    python benchmarks/device/stage_transformers.py 5.25.0    # -> .whl/transformers-5.25.0-py3-none-any.whl, .whl/hub/
+    python benchmarks/device/stage_transformers.py 5.25.0    # -> .whl/transformers-5.25.0.tar.xz
 
-On the machine: TRANSFORMERS_WHEEL=.whl/transformers-5.25.0-py3-none-any.whl TRANSFORMERS_DEPS=.whl/hub
-(benchmarks/device/device_run.sh and benchmarks/matrix.py install both apart from the machine's transformers).
+On the machine, TRANSFORMERS_WHEEL=.whl/transformers-5.25.0.tar.xz makes benchmarks/device/device_run.sh
+and benchmarks/matrix.py unpack it into a folder of its own, ahead of the machine's transformers.
 
-The wheel is repacked without the files transformers never imports at run time, `models/*/modular_*.py`
-(its own import scan skips them: they generate the modeling files) and each model's image and video
-processors (a text model never loads them; the auto classes that name them stay): 13.8 MB becomes 10.5 MB. transformers 5.25 needs huggingface_hub
-2.4, newer than the machines', and that needs httpx2: those wheels go to .whl/hub.
+The tarball holds the release installed as `pip install --target` leaves it, with huggingface_hub 2.4 and
+httpx2 (transformers 5.25 needs that hub, newer than the machines'). Nothing is left out: xz packs the
+many similar model files 3× tighter than the wheel's zip (5.25 with its hub: 4.6 MB against 14.6 MB).
 """
 
 from __future__ import annotations
@@ -17,60 +16,39 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tarfile
 import tempfile
-import zipfile
 from pathlib import Path
 
-HUB = "huggingface_hub==2.4.0"  # what transformers 5.25 has run with on the GPU machines
-HUB_NEEDS = ["httpx2>=2,<3", "click>=8.4.2,<9"]  # what hub 2.4 needs beyond the machines' packages, with their needs
+HUB = ["huggingface_hub==2.4.0"]  # what transformers 5.25 has run with on the GPU machines
+HUB_NEEDS = ["httpx2>=2,<3", "click>=8.4.2,<9"]  # hub 2.4's needs beyond the machines' packages, with theirs
 HAVE = ("typing_extensions",)  # the machines have these (torch needs them): not carried
-SKIP_PREFIXES = ("modular_", "image_processing_", "video_processing_")
 
 
-def download(requirements: list[str], dest: Path, deps: bool) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(dest), *requirements]
-    subprocess.run(cmd if deps else [*cmd[:4], "--no-deps", *cmd[4:]], check=True)
-
-
-def slim(wheel: Path, out: Path) -> tuple[int, int]:
-    """Copy `wheel` to `out` without the files SKIP_PREFIXES names under transformers/models/ and
-    without their RECORD lines; returns (files dropped, bytes of the new wheel)."""
-    dropped = set()
-    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
-        for info in src.infolist():
-            name = info.filename
-            if "/models/" in name and "/models/auto/" not in name and name.rsplit("/", 1)[-1].startswith(SKIP_PREFIXES):
-                dropped.add(name)
-                continue
-            data = src.read(info)
-            if name.endswith(".dist-info/RECORD"):
-                lines = data.decode().splitlines(keepends=True)
-                data = "".join(line for line in lines if line.split(",", 1)[0] not in dropped).encode()
-            dst.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-    return len(dropped), out.stat().st_size
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args, "-q"], check=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("version", help="the transformers release, e.g. 5.25.0")
     parser.add_argument("--dest", type=Path, default=Path(".whl"))
-    parser.add_argument("--no-hub", action="store_true", help="skip .whl/hub (releases before 5.25)")
+    parser.add_argument("--no-hub", action="store_true", help="without huggingface_hub (releases before 5.25)")
     args = parser.parse_args()
     args.dest.mkdir(parents=True, exist_ok=True)
+    out = args.dest / f"transformers-{args.version}.tar.xz"
     with tempfile.TemporaryDirectory() as tmp:
-        download([f"transformers=={args.version}"], Path(tmp), deps=False)
-        (wheel,) = Path(tmp).glob("transformers-*.whl")
-        n, size = slim(wheel, args.dest / wheel.name)
-        print(f"{args.dest / wheel.name}: {size / 1e6:.1f} MB ({wheel.stat().st_size / 1e6:.1f} MB before; {n} files left out)")
-    if not args.no_hub:
-        hub = args.dest / "hub"
-        hub.mkdir(exist_ok=True)
-        download([HUB], hub, deps=False)
-        download(HUB_NEEDS, hub, deps=True)
-        for p in hub.glob("*.whl"):
-            if p.name.startswith(HAVE):
-                p.unlink()
-        print(f"{hub}: " + ", ".join(sorted(p.name.split("-")[0] for p in hub.glob("*.whl"))))
+        wheels, site = Path(tmp, "wheels"), Path(tmp, "site")
+        pip("download", "--no-deps", "-d", str(wheels), f"transformers=={args.version}")
+        if not args.no_hub:
+            pip("download", "--no-deps", "-d", str(wheels), *HUB)
+            pip("download", "-d", str(wheels), *HUB_NEEDS)
+        carried = sorted(str(p) for p in wheels.glob("*.whl") if not p.name.startswith(HAVE))
+        pip("install", "--no-deps", "--no-compile", "--target", str(site), *carried)
+        with tarfile.open(out, "w:xz", preset=9) as tar:
+            for path in sorted(site.iterdir()):
+                tar.add(path, arcname=path.name)
+    print(f"{out}: {out.stat().st_size / 1e6:.1f} MB: " + ", ".join(Path(p).name for p in carried))
 
 
 if __name__ == "__main__":
