@@ -30,7 +30,7 @@ class Why(str, Enum):
     # The all-reduce and what reads it (patterns).
     NOT_SUM = "not_sum"  # a max/min/avg all-reduce
     NOT_AWAITED = "not_awaited"  # its result is read other than through one wait
-    ZERO_TOKENS = "zero_tokens"  # traced with an empty batch
+    ZERO_TOKENS = "zero_tokens"  # an empty batch: traced with one, or (run time) called with one
     NO_TOKEN_DIM = "no_token_dim"  # a tensor without a token dim
     NO_NORM = "no_norm"  # no RMSNorm over the hidden dim reads the value
     GRAPH_BREAK = "graph_break"  # a graph break put the norm in another graph (graph_breaks)

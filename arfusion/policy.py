@@ -34,6 +34,9 @@ from .runtime import group_size, log_once
 log = logging.getLogger("arfusion")
 
 FAST_PATH_OFF = Reason(Why.FAST_PATH_OFF, "PassConfig(fast_all_reduce=False)")
+# A call of no tokens (an empty batch served by a graph traced with a symbolic token count) never
+# enters a kernel: FlashInfer's launcher sizes its grid by the tokens, and a grid of 0 fails to launch.
+NO_TOKENS = Reason(Why.ZERO_TOKENS, "zero tokens (an empty batch): the all-reduce runs without a kernel")
 
 
 # ----------------------------------------------------------------- the rules (compile and run time)
@@ -77,6 +80,8 @@ def route(backend: Backend, call: Call, caps: Caps, codec: str | None) -> tuple[
     """The path a call takes: the quantized all-reduce where it is asked for and pays, else the
     fused kernel where the backend takes the call, else unfused (with why). At compile time the
     token count may be unknown: the call is then routed at run time, by this same function."""
+    if call.tokens == 0:
+        return Route.UNFUSED, NO_TOKENS
     if codec and backend.codec_why_not(call, codec, caps.codec_min) is None:
         return Route.CODEC, None
     reason = backend.why_not(call, caps.fused)
@@ -88,6 +93,8 @@ def moe_combine_refusal(backend: Backend, call: Call, top_k: int, rows: int | No
     """Why the backend does not compute the MoE top-k combine and the site in one kernel (None:
     it does). `other_collectives`: the group's other collectives in the graph (None: unknown, at
     run time, where the compile-time answer stands)."""
+    if call.tokens == 0:
+        return NO_TOKENS
     reason = backend.why_not(call, caps.fused) or backend.moe_combine_why_not(call, top_k, rows)
     if reason is None and codec and backend.codec_why_not(call, codec, caps.codec_min) is None:
         reason = Reason(Why.CODEC_TAKES, f"the {codec} quantized all-reduce takes this call")
@@ -100,7 +107,7 @@ def moe_combine_refusal(backend: Backend, call: Call, top_k: int, rows: int | No
 
 def plain_refusal(backend: Backend, call: Call, caps: Caps) -> Reason | None:
     """Why the backend's fast all-reduce does not take a plain all-reduce (None: it does)."""
-    return backend.plain_why_not(call, caps.plain)
+    return NO_TOKENS if call.tokens == 0 else backend.plain_why_not(call, caps.plain)
 
 
 def current_stream_pays(device: torch.device) -> bool:

@@ -118,6 +118,8 @@ def install_fake_flashinfer():
                          trigger_completion_at_end, residual_in=None, residual_out=None, norm_out=None,
                          rms_gamma=None, rms_eps=1e-6, weight_bias=0.0, quant_out=None, scale_out=None,
                          scale_factor=None, output=None, **rest):
+        if input.shape[0] == 0:  # the launcher's grid is sized by the tokens: a grid of 0 does not launch
+            raise RuntimeError("CUDA error: invalid configuration argument (a kernel grid of 0 blocks)")
         if pattern == 0:  # kAllReduce: writes `output` only, reads nothing else
             calls["fusion"].append(dict(pattern=0, use_oneshot=use_oneshot, fp32_acc=fp32_acc, tokens=input.shape[0],
                                         trigger_at_end=trigger_completion_at_end, output=output is not None,

@@ -300,6 +300,7 @@ def _worker(rank, world, init_file, out_dir):
     results["quant"] = quant_scenario(calls, dist.group.WORLD.group_name, rank)
     results["bound"] = bound_scenario(calls, backend, dist.group.WORLD.group_name, rank)
     results["shared"] = shared_scenario(calls, backend, rank)
+    results["empty"] = empty_scenario(calls, dist.group.WORLD.group_name, rank)
     # Fresh groups over the same ranks, each after close(): else they would share the world's
     # workspace (shared_scenario); so each negotiates one of its own.
     for name in ("fail_build", "fail_create", "low_memory"):
@@ -340,6 +341,49 @@ def shared_scenario(calls, backend, rank):
     backend.close()
     return {"errors": errors, "made_after_each": made, "same_state": same, "states": states,
             "destroyed": [ws.destroyed for ws in workspaces]}
+
+
+def empty_scenario(calls, group_name, rank):
+    """An empty batch at run time (a graph traced with a symbolic token count, called with none):
+    the fused op, its MoE twin and the plain all-reduce give empty results without entering the
+    kernel, whose grid is sized by the tokens (0 blocks do not launch), after a call that did."""
+    import logging
+
+    import arfusion
+
+    arfusion.reset_stats()
+    fusion, errors, lines = len(calls["fusion"]), [], []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("arfusion").addHandler(handler)
+    logging.getLogger("arfusion").setLevel(logging.INFO)
+    torch.manual_seed(5 + rank)
+    w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
+    try:
+        for tokens in (4, 0):
+            x, res = torch.randn(2, tokens, 64, dtype=torch.bfloat16).unbind(0)
+            for form in (PLAIN, Form(residual=False, norm="rms", quant="fp8_dynamic", emit_norm=False)):
+                got = torch.ops.arfusion.fused_allreduce_rmsnorm(
+                    x=x, residual=res if form.residual else None, weight=w, eps=1e-6, eps_tensor=None,
+                    group_name=group_name, norm="rms", quant=form.quant, quant_scale=None, emit_norm=form.emit_norm,
+                    backend="flashinfer")
+                want = reference.unfused(x, res if form.residual else None, w, 1e-6, group_name, form)
+                errors += [f"{form.name} T={tokens}" for g, r in zip(got, want) if g.shape != r.shape or g.dtype != r.dtype]
+            got = torch.ops.arfusion.moe_combine_allreduce_rmsnorm(
+                rows=torch.randn(2 * tokens, 64, dtype=torch.bfloat16), scale=torch.rand(2 * tokens, 1, dtype=torch.bfloat16),
+                index=torch.arange(2 * tokens), top_k=2, scale_first=True, residual=res, weight=w, eps=1e-6,
+                eps_tensor=None, group_name=group_name, norm="rms", quant="none", quant_scale=None, emit_norm=True,
+                backend="flashinfer")
+            errors += [f"moe T={tokens}" for g in got if list(g.shape) != [tokens, 64]]
+            plain = torch.ops.arfusion.all_reduce(x=x, group_name=group_name, backend="flashinfer")
+            errors += [f"plain T={tokens}"] if not torch.equal(plain, reference.all_reduce_sum(x, group_name)) else []
+    except Exception as e:  # the stand-in's kernel, as the real launcher, refuses 0 tokens
+        errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        logging.getLogger("arfusion").removeHandler(handler)
+    return {"errors": errors, "kernel_tokens": [f["tokens"] for f in calls["fusion"][fusion:]],
+            "dispatch": arfusion.stats()["dispatch"],
+            "logged": [line for line in lines if Why.ZERO_TOKENS.value in line or "zero tokens" in line]}
 
 
 def unified_scenario(calls, group_name, rank):
@@ -555,6 +599,19 @@ def test_groups_of_the_same_ranks_share_one_workspace(two_rank_results):
         # One workspace for both groups; grown once, by the twin's larger call, for both.
         assert shared["made_after_each"] == [1, 1, 2, 2, 2]
         assert shared["destroyed"] == [True, True]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_an_empty_batch_never_enters_the_kernel(two_rank_results):
+    for results in two_rank_results:
+        empty = results["empty"]
+        assert empty["errors"] == []
+        assert 0 not in empty["kernel_tokens"] and 4 in empty["kernel_tokens"]
+        # 4 tokens: both sites and the combine's site by the kernel, the plain all-reduce too;
+        # 0 tokens: the three fused ops unfused, the plain one on torch's all-reduce.
+        assert empty["dispatch"] == {"flashinfer": 3, "flashinfer all-reduce": 1, "fallback": 3, "all-reduce": 1}
+        assert empty["logged"], "no INFO line says why"
 
 
 @pytest.mark.parametrize("name", ["fail_build", "fail_create", "low_memory"])
