@@ -55,6 +55,32 @@ def test_a_batch_that_does_not_divide_the_probe_rows_fuses(fake_pg, batch, seq):
     assert stats["fused_sites"] == 5 and left == 0, stats
 
 
+@pytest.mark.parametrize("how", ["unbacked", "size_oblivious"])
+def test_a_graph_for_any_token_count_fuses_and_serves_an_empty_batch(world_of_one, monkeypatch, how):
+    """A token count without an example value (`mark_unbacked`, a data-dependent count) raised in
+    the pass (the whole graph then stayed unfused, with a WARNING); one traced at 0 under
+    size-oblivious tracing was left unfused as an empty batch, and that graph served every later
+    count. Both now fuse, and an empty call runs unfused at run time (`zero_tokens`)."""
+    if how == "size_oblivious":
+        monkeypatch.setattr(torch.fx.experimental._config, "backed_size_oblivious", True)
+    torch.manual_seed(0)
+    model = RowParallelThenNorm(64)
+    options = arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch"))
+    compiled = torch.compile(model, options=options, dynamic=True)
+    for tokens in (0, 8, 1):
+        x, r = torch.randn(2, tokens, 64, dtype=torch.bfloat16).unbind(0)
+        if how == "unbacked":
+            torch._dynamo.decorators.mark_unbacked(x, 0)
+            torch._dynamo.decorators.mark_unbacked(r, 0)
+        with torch.no_grad():
+            got, want = compiled(x, r), model(x, r)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and (not tokens or torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2))
+    stats = arfusion.stats()
+    assert stats["graphs"] == 1 and stats["fused_sites"] == 1 and stats["why_not_codes"] == {}, stats
+    assert stats["dispatch"] == {"fallback": 1, "torch": 2}
+
+
 def test_residual_sum_not_used_later_still_fuses(fake_pg):
     model = RowParallelThenNorm(PATTERN_HIDDEN, sum_unused=True)
     fused, left, _ = compile_and_inspect(model, *inputs(torch.bfloat16))

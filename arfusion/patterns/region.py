@@ -18,6 +18,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+from torch._inductor import config as _inductor_config
 
 from ..graph_utils import ALL_REDUCE, WAIT, value
 
@@ -79,11 +80,16 @@ def widened_sum(back: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]
 
 def hint(size) -> int:
     """A size's example value (symbolic sizes carry the one they were traced with). SymNode.hint
-    exists on torch 2.11-2.13; `optimization_hint`, its newer spelling, does not on 2.11."""
+    exists on torch 2.11-2.13; `optimization_hint`, its newer spelling, does not on 2.11.
+
+    A symbolic size without one (unbacked: `mark_unbacked`, a data-dependent count) or traced at 0
+    (size-oblivious tracing, where one graph then serves every count) gets Inductor's stand-in
+    for unbacked sizes: the graph is for any count, and the op routes empty calls at run time."""
     if not isinstance(size, torch.SymInt):
         return int(size)
     node = size.node
-    return int(node.hint if node.hint is not None else node.shape_env.size_hint(node.expr))
+    value = node.hint if node.hint is not None else node.shape_env.size_hint(node.expr, allow_none=True)
+    return int(value) if value is not None and int(value) != 0 else _inductor_config.unbacked_symint_fallback
 
 
 def hinted_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
