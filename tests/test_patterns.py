@@ -55,27 +55,43 @@ def test_a_batch_that_does_not_divide_the_probe_rows_fuses(fake_pg, batch, seq):
     assert stats["fused_sites"] == 5 and left == 0, stats
 
 
-@pytest.mark.parametrize("how", ["unbacked", "size_oblivious"])
+class _SelectedTokens(nn.Module):
+    """The tokens a mask selects, then a site: a token count known only at run time (unbacked)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, residual, keep):
+        return self.block(x[keep], residual[keep])
+
+
+@pytest.mark.parametrize("how", ["unbacked", "size_oblivious", "masked"])
 def test_a_graph_for_any_token_count_fuses_and_serves_an_empty_batch(world_of_one, monkeypatch, how):
-    """A token count without an example value (`mark_unbacked`, a data-dependent count) raised in
-    the pass (the whole graph then stayed unfused, with a WARNING); one traced at 0 under
-    size-oblivious tracing was left unfused as an empty batch, and that graph served every later
-    count. Both now fuse, and an empty call runs unfused at run time (`zero_tokens`)."""
+    """A token count without an example value (`mark_unbacked`, or the tokens a mask selects) raised
+    in the pass (the whole graph then stayed unfused, `pass_failed`, with a WARNING); one traced at
+    0 under size-oblivious tracing was left unfused as an empty batch, and that graph served every
+    later count. All now fuse, and an empty call runs unfused at run time (`zero_tokens`)."""
     if how == "size_oblivious":
         monkeypatch.setattr(torch.fx.experimental._config, "backed_size_oblivious", True)
+    if how == "masked":
+        monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
     torch.manual_seed(0)
-    model = RowParallelThenNorm(64)
+    block = RowParallelThenNorm(64)
+    model = _SelectedTokens(block) if how == "masked" else block
     options = arfusion.inductor_options(arfusion.PassConfig(enable_allreduce_fusion=True, backend="torch"))
-    compiled = torch.compile(model, options=options, dynamic=True)
+    compiled = torch.compile(model, options=options, dynamic=how != "masked")
     for tokens in (0, 8, 1):
-        x, r = torch.randn(2, tokens, 64, dtype=torch.bfloat16).unbind(0)
+        x, r = torch.randn(2, 8 if how == "masked" else tokens, 64, dtype=torch.bfloat16).unbind(0)
+        args = (x, r, torch.arange(8) < tokens) if how == "masked" else (x, r)
         if how == "unbacked":
             torch._dynamo.decorators.mark_unbacked(x, 0)
             torch._dynamo.decorators.mark_unbacked(r, 0)
         with torch.no_grad():
-            got, want = compiled(x, r), model(x, r)
+            got, want = compiled(*args), model(*args)
         for g, w in zip(got, want):
-            assert g.shape == w.shape and (not tokens or torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2))
+            assert g.shape == w.shape == (tokens, 64)
+            assert not tokens or torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2)
     stats = arfusion.stats()
     assert stats["graphs"] == 1 and stats["fused_sites"] == 1 and stats["why_not_codes"] == {}, stats
     assert stats["dispatch"] == {"fallback": 1, "torch": 2}
