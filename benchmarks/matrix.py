@@ -109,12 +109,10 @@ def stage_env(devices: list[int] | None, extra: dict) -> dict:
         # tarball holds them already.
         folder = extra.pop("TRANSFORMERS_DEPS", None)
         deps = sorted(str(p) for p in Path(folder).glob("*.whl")) if folder else []
-        if target.exists():
-            pass
-        elif wheel.endswith(".tar.xz"):
+        if not target.exists() and wheel.endswith(".tar.xz"):
             target.mkdir(parents=True)
             subprocess.run(["tar", "xJf", wheel, "-C", str(target)], check=True)
-        else:
+        elif not target.exists():
             subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
                             str(target), wheel, *deps], check=True)
         env["PYTHONPATH"] = f"{target}:{env.get('PYTHONPATH', '')}"
