@@ -23,6 +23,11 @@ KNOWN = (
     # torch/utils/cpp_extension.py, at its import: a CUDA build of torch on a machine with a CUDA
     # toolkit but no GPU (pip's default torch on Linux is a CUDA build).
     ("torch.utils.cpp_extension", "No CUDA runtime is found", None),
+    # torch/distributed/tensor/_collective_utils.py (shard_dim_alltoall), on a CPU mesh only: DTensor
+    # moves a shard from one dim to another by all-gather + chunk where gloo has no all-to-all.
+    # torch 2.15 takes that route for `weight[padding_idx]` of a vocab-sharded embedding
+    # (transformers' _init_weights zeroes the padding row: Gemma 3, Command-R); 2.13 did not.
+    ("torch.distributed.tensor._collective_utils", "CPU process group does not support alltoall yet", None),
 )
 
 
