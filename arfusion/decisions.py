@@ -42,6 +42,7 @@ class Why(str, Enum):
     NOT_RMS = "not_rms"  # computes nothing like all_reduce [+ residual] -> RMSNorm
     ROUNDING = "rounding"  # an RMSNorm that rounds unlike the fused kernels
     BOUNDED = "bounded"  # a clamp / min / max / where on the hidden states before the norm
+    RANDOM = "random"  # random draws (dropout in training mode) act on the hidden states before the norm
     QUANT_BOUNDED = "quant_bounded"  # (a note: the site fuses, its quant stays outside) the quant acts unlike its form
     # beyond the probe's ordinary rows: a floor or ceiling on its scale, a clamp on a static scale
     OTHER_INPUTS = "other_inputs"  # the norm reads tensors of another role

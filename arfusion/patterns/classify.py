@@ -28,7 +28,8 @@ import torch
 from .. import reference
 from ..core import Form
 from ..decisions import Reason, Why
-from . import forms, quant_tail
+from . import dropped, forms, quant_tail
+from .dropped import BOUNDED_REASON, BOUNDS
 from .encoding import Encoding, activation_sized
 from .probe import Probe, ProbeError, Prober
 from .quant_tail import QuantPlan
@@ -45,16 +46,6 @@ LAYERNORM_REASON = Reason(Why.LAYERNORM, "the norm subtracts the mean (LayerNorm
 L2_REASON = Reason(Why.L2_NORM, "the norm divides by the L2 norm (x/||x||, nGPT), not by the RMS: that is RMSNorm "
                                 "times 1/sqrt(hidden), which the fused kernels' weight cannot carry exactly")
 RETURNED_REASON = Reason(Why.GRAPH_OUTPUT, "no norm reads the all-reduced value in this graph, which returns it")
-# Ops that may act only on values the probe never reaches: an fp16 overflow guard
-# `(r + AR(y)).clamp(-60000, 60000)` is the identity on every probe row, and the fused op would
-# drop it. On hidden-state-sized values in a site, they keep it unfused.
-BOUNDS = {aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default,
-          aten.clamp_min.Tensor, aten.clamp_max.Tensor, aten.minimum.default, aten.maximum.default,
-          aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.nan_to_num.default,
-          aten.hardtanh.default}
-BOUNDED_REASON = Reason(Why.BOUNDED, "the hidden states are clamped (or bounded by min / max / where) before the "
-                                     "norm: such a bound may act only where values overflow, which the fused op "
-                                     "would not do")
 
 
 @dataclass(frozen=True)
@@ -202,6 +193,8 @@ class Classifier(Prober):
                 return _no(Why.RESIDUAL_DTYPE, f"the norm reads a {'/'.join(map(str, widened))} sum of the all-reduced "
                                                f"{self.dtype} value (a residual stream of another dtype): the fused op "
                                                "keeps one dtype")
+            if (random := dropped.in_region(enc, self.region_size)) is not None:
+                return NoSite(random)
             if enc.region.hints:
                 return _no(Why.NO_NORM, f"no RMSNorm over the hidden dim reads the all-reduced value "
                                         f"({'; '.join(enc.region.hints)})")
@@ -253,6 +246,8 @@ class Classifier(Prober):
             return NoSite(LAYERNORM_REASON)
         if any(self.enc.nodes[i].target in BOUNDS and self._activation_sized(i) for i in ids):
             return NoSite(BOUNDED_REASON)
+        if (random := dropped.in_site(enc, ids)) is not None:
+            return NoSite(random)
         by_role: dict[str, list[int]] = {}
         for r in enc.site_roots(set(ids)):
             by_role.setdefault(self.role_of_root(r), []).append(r)
@@ -434,7 +429,7 @@ _memo: "OrderedDict[tuple, Plan | NoSite]" = OrderedDict()
 def find_site(region: Region, quant_forms: tuple[str, ...]) -> Site | NoSite:
     """The site `region` computes, or why it is none."""
     enc = Encoding(region)
-    key = (enc.key, quant_forms, tuple(region.hints))  # hints name nodes outside the region
+    key = (enc.key, quant_forms, tuple(region.hints), tuple(region.random))  # both name nodes outside the region
     found = _memo.get(key)
     if found is None:
         device = value(region.start).device

@@ -25,21 +25,17 @@ starting at the product hands f to the fused op, so a site left unfused keeps th
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..decisions import Why
 from ..graph_utils import WAIT, Builder, same_shape, value
 from ..runtime import same_ranks
-from .reduced import (MOVES, REGROUPINGS, into_residual_stream, reduced_source, reduced_term,
+from .reduced import (MOVES, REGROUPINGS, declined, into_residual_stream, reduced_source, reduced_term,
                       replace_with_all_reduce)
 from .region import CONVERT, by_a_number, is_add, widened_sum
 from .scaled import distribute_a_factor
 
 aten = torch.ops.aten
-log = logging.getLogger("arfusion")
 
 
 def _merge_sum_of_two(graph: torch.fx.Graph, add: torch.fx.Node) -> str | None:
@@ -198,7 +194,7 @@ def _matmul_before_all_reduce(graph: torch.fx.Graph, node: torch.fx.Node) -> boo
                 or not into_residual_stream(node) or not statically_known_true(value(node).numel() <= value(x).numel()):
             return False
         if _a_graph_input(node.args[1 - i]) or not _over_the_stack(x, node):
-            _declined(node, all_reduce, "its other operand may be a weight shard, different on each rank (a "
+            declined(node, all_reduce, "its other operand may be a weight shard, different on each rank (a "
                       "column-parallel projection): only a weighted sum over stacked all-reduces moves")
             return False
         build = Builder(graph, node)
@@ -221,13 +217,6 @@ def _over_the_stack(x: torch.fx.Node, node: torch.fx.Node) -> bool:
     k, n = value(node.args[0]).shape[-1], len(x.args[0])
     return statically_known_true(k == n) and not any(statically_known_true(value(s).shape[-1] == n)
                                                      for s in x.args[0])
-
-
-def _declined(node: torch.fx.Node, all_reduce: torch.fx.Node, why: str) -> None:
-    """One INFO line per declined rewrite (`merge` sweeps the graph until nothing changes)."""
-    if not node.meta.get("arfusion_declined"):
-        node.meta["arfusion_declined"] = True
-        log.info("arfusion: %s not moved before %s (%s): %s", node.name, all_reduce.name, Why.PER_RANK.value, why)
 
 
 def _a_graph_input(node: torch.fx.Node) -> bool:

@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..graph_utils import value
-from .region import CONSTANT_PRODUCERS, LIKE_OPS, Region, hinted_shape, is_pointwise
+from .region import CONSTANT_PRODUCERS, LIKE_OPS, Region, drawn_from_random, hinted_shape, is_pointwise
 
 CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 
@@ -66,8 +66,10 @@ class Encoding:
             for i in _tensor_inputs(node):
                 if i not in region.members:
                     self._add_outside(i)
+        # Roots computed from random draws (dropout's mask): what they hold is not in their shape.
+        self.random = frozenset(r for r in self.roots if drawn_from_random(self.nodes[r]))
         self.key = (region.tokens, region.hidden, tuple(self._describe(i) for i in range(len(self.nodes))),
-                    tuple(self.roots))
+                    tuple(self.roots), tuple(sorted(self.random)))
 
     def _add(self, node: torch.fx.Node) -> int:
         if node not in self.local:

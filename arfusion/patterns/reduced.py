@@ -9,16 +9,19 @@ lets a factor be moved across an all-reduce (`collectives`).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..decisions import Why
 from ..graph_utils import ALL_REDUCE, WAIT, Builder, same_shape, value
-from .region import by_a_number
+from .region import by_a_number, drawn_from_random
 
 aten = torch.ops.aten
+log = logging.getLogger("arfusion")
 REGROUPINGS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 # Ops that move elements without changing them (an all-reduce commutes with each), as an einsum leaves them.
 MOVES = REGROUPINGS | {aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
@@ -77,8 +80,21 @@ def reduced_term(node: torch.fx.Node) -> Term | None:
         # The factor broadcasts into the reduced value: neither its shape nor its dtype changes.
         if found is not None and same_shape(reduced, node) and value(reduced).dtype == value(node).dtype:
             all_reduce, x, chain = found
-            return Term(all_reduce, x, [node, *chain], reduced, factor=node.args[1 - i], factor_first=i == 1)
+            factor = node.args[1 - i]
+            if isinstance(factor, torch.fx.Node) and drawn_from_random(factor):
+                declined(node, all_reduce, f"its factor {factor.name} is drawn at random (dropout or drop path in "
+                                           "training mode), which may differ on each rank")
+                return None
+            return Term(all_reduce, x, [node, *chain], reduced, factor=factor, factor_first=i == 1)
     return None
+
+
+def declined(node: torch.fx.Node, all_reduce: torch.fx.Node, why: str) -> None:
+    """One INFO line per declined move across an all-reduce (`collectives.merge` sweeps the graph
+    until nothing changes)."""
+    if not node.meta.get("arfusion_declined"):
+        node.meta["arfusion_declined"] = True
+        log.info("arfusion: %s not moved before %s (%s): %s", node.name, all_reduce.name, Why.PER_RANK.value, why)
 
 
 def into_residual_stream(node: torch.fx.Node) -> bool:

@@ -42,10 +42,38 @@ LIKE_OPS = {aten.full_like.default, aten.zeros_like.default, aten.ones_like.defa
 MAX_REGION = 600  # nodes; NVFP4's quantizer alone is ~90
 
 
+# Inductor's own RNG (what dropout becomes in its graphs unless fallback_random): untagged prims.
+INDUCTOR_RNG = ("prims::inductor_random", "prims::inductor_randint")
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """Whether `node` draws random numbers: torch's seeded ops (dropout, bernoulli, rand_like)
+    or Inductor's RNG."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.nondeterministic_seeded in target.tags or target.name() in INDUCTOR_RNG)
+
+
+def drawn_from_random(node: torch.fx.Node, limit: int = 16) -> bool:
+    """Whether `node` is computed from random draws through pointwise ops only (dropout's mask
+    `rand > p`, made outside the region by Inductor's RNG)."""
+    todo, seen = [node], set()
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if is_random(n):
+            return True
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                and torch.Tag.pointwise in n.target.tags:
+            todo.extend(n.all_input_nodes)
+    return False
+
+
 def is_pointwise(node: torch.fx.Node) -> bool:
     target = node.target
-    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
-            and torch.Tag.nondeterministic_seeded not in target.tags)
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags and not is_random(node)
 
 
 def is_add(node: torch.fx.Node) -> bool:
@@ -142,6 +170,7 @@ class Region:
     nodes: list[torch.fx.Node] = field(default_factory=list)  # in graph order, start excluded
     members: set[torch.fx.Node] = field(default_factory=set)  # nodes + start
     hints: list[str] = field(default_factory=list)  # row-mixing users met on the way (for reasons)
+    random: list[str] = field(default_factory=list)  # random ops that read the region (dropout in training mode)
     # f * AR(x) (collectives.scaled_all_reduce): start is the product, chain the nodes from the
     # wait to it (erased with the all-reduce), input_scale f (a number, or a 0-d tensor's node).
     chain: list[torch.fx.Node] = field(default_factory=list)
@@ -221,6 +250,9 @@ def row_local(node: torch.fx.Node, region: Region) -> bool:
         return True
     if target in SIZED_SHAPE_OPS or target in OTHER_SHAPE_OPS or target in LIKE_OPS:
         return True
+    if is_random(node):
+        region.random.append(f"{node.name} ({target})")
+        return False
     return is_pointwise(node)
 
 
