@@ -109,12 +109,13 @@ def stage_env(devices: list[int] | None, extra: dict) -> dict:
         # tarball holds them already.
         folder = extra.pop("TRANSFORMERS_DEPS", None)
         deps = sorted(str(p) for p in Path(folder).glob("*.whl")) if folder else []
-        if not target.exists() and wheel.endswith(".tar.xz"):
-            target.mkdir(parents=True)
-            subprocess.run(["tar", "xJf", wheel, "-C", str(target)], check=True)
-        elif not target.exists():
-            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
-                            str(target), wheel, *deps], check=True)
+        if not target.exists():
+            if wheel.endswith(".tar.xz"):
+                target.mkdir(parents=True)
+                subprocess.run(["tar", "xJf", wheel, "-C", str(target)], check=True)
+            else:
+                subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                                "--target", str(target), wheel, *deps], check=True)
         env["PYTHONPATH"] = f"{target}:{env.get('PYTHONPATH', '')}"
         env.setdefault("USE_HUB_KERNELS", "0")  # 5.25 loads hub kernels on CUDA by default: no network there
     env.update(extra)
